@@ -1,0 +1,119 @@
+"""The engine boundary: plain dataclasses in, a stream of steps out.
+
+Nothing here knows about HTTP; the server turns these objects into OpenAI responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Benchmarks force a fixed number of tokens, whatever the model would say.
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated token and the text it made visible (may be empty mid-character)."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    peak_memory_bytes: int
+    kv_cache_bytes: int
+    engine: str
+    device: str
+    finish_reason: FinishReason
+    total_s: float = 0.0
+
+
+GenerationEvent = Step | RequestStats
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    engine: str
+    device: str
+    dtype: str
+    context_length: int
+    backend_version: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """Base for errors an engine reports to its caller with a meaningful message."""
+
+
+class BackendMissing(EngineError):
+    def __init__(self, engine: str, module: str, extra: str):
+        super().__init__(
+            f"the {engine} engine needs the '{module}' package, which is not installed; "
+            f"install it with: pip install 'duet[{extra}]' (or run scripts/setup.sh)"
+        )
+        self.engine = engine
+        self.extra = extra
+
+
+class UnsupportedModel(EngineError):
+    pass
+
+
+class ContextLengthExceeded(EngineError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int):
+        super().__init__(
+            f"this model's context is {context_length} tokens; the prompt has {prompt_tokens} "
+            f"tokens and {max_tokens} more were asked for"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine provides. Calls are made from one worker thread at a time."""
+
+    name: str
+    info: EngineInfo
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]: ...
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[GenerationEvent]: ...
+
+    def logits(self, prompt_ids: Sequence[int]) -> "object":
+        """Next-token logits for every prompt position, as a float32 numpy array [T, vocab]."""
+        ...
+
+    def close(self) -> None: ...

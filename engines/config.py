@@ -1,0 +1,101 @@
+"""models.toml: the model registry, validated once at start-up."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SOURCE_KINDS = ("package", "path", "hf")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    source: str = Field(
+        description=(
+            "package:MODULE/FILE.gguf (a GGUF file shipped in an installed Python package), "
+            "path:/a/model/dir (a local Hugging Face-style directory), "
+            "hf:org/name (a Hugging Face id, resolved from the local HF cache only)"
+        )
+    )
+    engine: Literal["torch", "mlx", "auto"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    context_length: int = Field(default=4096, ge=16, le=1 << 20)
+    task: Literal["generate", "classify"] = "generate"
+    description: str = ""
+
+    @field_validator("source")
+    @classmethod
+    def _known_scheme(cls, value: str) -> str:
+        kind, sep, rest = value.partition(":")
+        if not sep or kind not in SOURCE_KINDS or not rest:
+            raise ValueError(f"must start with one of {', '.join(k + ':' for k in SOURCE_KINDS)}")
+        return value
+
+    @property
+    def source_kind(self) -> str:
+        return self.source.partition(":")[0]
+
+    @property
+    def source_ref(self) -> str:
+        return self.source.partition(":")[2]
+
+
+class ModelsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelSpec] = Field(min_length=1)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_ids(cls, models: list[ModelSpec]) -> list[ModelSpec]:
+        seen: set[str] = set()
+        for m in models:
+            if m.id in seen:
+                raise ValueError(f"model id '{m.id}' appears twice")
+            seen.add(m.id)
+        return models
+
+
+def load_models_file(path: str | Path) -> list[ModelSpec]:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: model registry file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return ModelsFile.model_validate(raw).models
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = _key_path(raw, err["loc"])
+            problems.append(f"{path}: {key}: {err['msg']}")
+        raise ConfigError("\n".join(problems)) from None
+
+
+def _key_path(raw: dict, loc: tuple) -> str:
+    parts: list[str] = []
+    node = raw
+    for item in loc:
+        if isinstance(item, int):
+            label = f"[{item}]"
+            if isinstance(node, list) and item < len(node) and isinstance(node[item], dict):
+                model_id = node[item].get("id")
+                if model_id:
+                    label = f"[{item}] (id '{model_id}')"
+            parts.append(label)
+            node = node[item] if isinstance(node, list) and item < len(node) else {}
+        else:
+            parts.append(("." if parts else "") + str(item))
+            node = node.get(item, {}) if isinstance(node, dict) else {}
+    return "".join(parts) or "(top level)"

@@ -1,0 +1,118 @@
+"""The one place that decides which torch device and dtype to use, and how to read its memory."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from .generation import MemoryMeter
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def choose_device(requested: str = "auto") -> str:
+    """mps, then cuda, then cpu; an explicit request that cannot be met is an error."""
+    import torch
+
+    if requested == "auto":
+        if torch.backends.mps.is_available():
+            return "mps"
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+    if requested == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' was requested but torch.backends.mps is not available")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device '{requested}' was requested but CUDA is not available")
+    if requested not in ("cpu", "mps") and not requested.startswith("cuda"):
+        raise ValueError(f"unknown device '{requested}' (use auto, cpu, cuda or mps)")
+    return requested
+
+
+def choose_dtype(requested: str, device: str) -> str:
+    """bf16 on CUDA, fp16 on MPS (bf16 MPS kernels need a recent macOS), fp32 on CPU."""
+    if requested != "auto":
+        return requested
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if device == "mps":
+        return "float16"
+    return "float32"
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+class RSSMeter(MemoryMeter):
+    """CPU: the process's resident set, sampled each step (RSS has no resettable peak)."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process(os.getpid())
+        self._peak = 0
+
+    def reset(self) -> None:
+        self._peak = self._proc.memory_info().rss
+
+    def sample(self) -> None:
+        self._peak = max(self._peak, self._proc.memory_info().rss)
+
+    def peak_bytes(self) -> int:
+        self.sample()
+        return self._peak
+
+
+class CudaMeter(MemoryMeter):
+    def __init__(self, device: str) -> None:
+        self._device = device
+
+    def reset(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self._device)
+
+    def peak_bytes(self) -> int:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(self._device))
+
+
+class MPSMeter(MemoryMeter):
+    """MPS has no peak counter: sample the allocator each step."""
+
+    def __init__(self) -> None:
+        self._peak = 0
+
+    def reset(self) -> None:
+        import torch
+
+        self._peak = int(torch.mps.current_allocated_memory())
+
+    def sample(self) -> None:
+        import torch
+
+        self._peak = max(self._peak, int(torch.mps.current_allocated_memory()))
+
+    def peak_bytes(self) -> int:
+        self.sample()
+        return self._peak
+
+
+def memory_meter(device: str) -> MemoryMeter:
+    if device.startswith("cuda"):
+        return CudaMeter(device)
+    if device == "mps":
+        return MPSMeter()
+    return RSSMeter()

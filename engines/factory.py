@@ -1,0 +1,58 @@
+"""Create engines by name, importing each backend only when it is asked for."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from pathlib import Path
+
+from .base import BackendMissing, Engine
+
+ENGINE_NAMES = ("torch", "mlx")
+# engine -> (module that must be importable, pyproject extra that installs it)
+_BACKENDS = {"torch": ("torch", "torch"), "mlx": ("mlx_lm", "mlx")}
+
+
+def is_apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def resolve_engine_name(name: str) -> str:
+    """'auto' means MLX on Apple Silicon and PyTorch everywhere else."""
+    if name == "auto":
+        return "mlx" if is_apple_silicon() else "torch"
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"unknown engine '{name}' (choose from auto, {', '.join(ENGINE_NAMES)})")
+    return name
+
+
+def backend_available(name: str) -> bool:
+    module, _ = _BACKENDS[name]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_backend(name: str) -> None:
+    module, extra = _BACKENDS[name]
+    if not backend_available(name):
+        raise BackendMissing(name, module, extra)
+
+
+def create_engine(
+    name: str,
+    model_dir: Path,
+    *,
+    context_length: int,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> Engine:
+    require_backend(name)
+    if name == "torch":
+        from .torch_engine import TorchEngine
+
+        return TorchEngine(model_dir, context_length=context_length, dtype=dtype, device=device)
+    from .mlx_engine import MLXEngine
+
+    return MLXEngine(model_dir, context_length=context_length, dtype=dtype)

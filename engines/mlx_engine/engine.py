@@ -1,0 +1,145 @@
+"""The MLX engine: mlx-lm's model, prompt cache, sampler and step generator behind duet's
+interface. MLX runs on Metal on Apple Silicon, on CUDA where mlx-cuda is installed, else CPU."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..base import ContextLengthExceeded, EngineInfo, GenerationEvent, SamplingParams
+from ..generation import MemoryMeter, stream_steps
+from ..tokenizer import ChatTokenizer
+
+log = logging.getLogger("duet.engines.mlx")
+
+_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def mlx_device() -> str:
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if hasattr(mx, "metal") and mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "gpu"
+
+
+def choose_mlx_dtype(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    return {"cpu": "float32", "metal": "float16"}.get(device, "bfloat16")
+
+
+class MLXMeter(MemoryMeter):
+    def reset(self) -> None:
+        mx.reset_peak_memory()
+
+    def peak_bytes(self) -> int:
+        return int(mx.get_peak_memory())
+
+
+class MLXEngine:
+    name = "mlx"
+
+    def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto"):
+        from mlx_lm.utils import load_model
+
+        started = time.perf_counter()
+        model_dir = Path(model_dir)
+        self.device = mlx_device()
+        self.dtype = choose_mlx_dtype(dtype, self.device)
+        self.model, _ = load_model(model_dir, lazy=True)
+        self.model.set_dtype(_MX_DTYPES[self.dtype])
+        mx.eval(self.model.parameters())
+        self.context_length = context_length
+        self.tokenizer = ChatTokenizer(model_dir)
+        self._meter = MLXMeter()
+        self._cache: list = []
+        self.info = EngineInfo(
+            engine=self.name,
+            device=self.device,
+            dtype=self.dtype,
+            context_length=context_length,
+            backend_version=f"mlx {mx.__version__}, mlx-lm {_mlx_lm_version()}",
+        )
+        log.info(
+            "mlx engine loaded %s on %s (%s) in %.1fs",
+            model_dir, self.device, self.dtype, time.perf_counter() - started,
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode_prompt(text)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.sample_utils import make_sampler
+
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        sampler = make_sampler(
+            temp=max(params.temperature, 0.0),
+            top_p=params.top_p if params.top_p < 1.0 else 0.0,
+            top_k=params.top_k,
+        )
+        self._cache = make_prompt_cache(self.model)
+        budget = self.context_length - len(prompt_ids) + 1
+        for token, _ in generate_step(
+            mx.array(list(prompt_ids)),
+            self.model,
+            max_tokens=min(params.max_tokens, budget),
+            sampler=sampler,
+            prompt_cache=self._cache,
+        ):
+            yield int(token)
+
+    def _kv_cache_bytes(self) -> int:
+        return int(sum(getattr(c, "nbytes", 0) for c in self._cache))
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[GenerationEvent]:
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        self._meter.reset()
+        return stream_steps(
+            self._token_ids(prompt_ids, params),
+            tokenizer=self.tokenizer,
+            params=params,
+            prompt_tokens=len(prompt_ids),
+            engine=self.name,
+            device=self.device,
+            meter=self._meter,
+            kv_cache_bytes=self._kv_cache_bytes,
+            should_stop=should_stop,
+        )
+
+    def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
+        self.check_fits(len(prompt_ids), 0)
+        out = self.model(mx.array([list(prompt_ids)]))
+        return np.array(out[0].astype(mx.float32))
+
+    def close(self) -> None:
+        self.model = None
+        self._cache = []
+
+
+def _mlx_lm_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlx-lm")

@@ -1,0 +1,40 @@
+"""Token sampling that stays on the device: no host round trip to pick a token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..base import SamplingParams
+
+
+def make_sampler(params: SamplingParams, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Build the sampler once per request; it maps logits [V] to a token id tensor [1]."""
+    if params.greedy:
+        return lambda logits: torch.argmax(logits, dim=-1, keepdim=True)
+
+    generator = torch.Generator(device=device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float() / temperature
+        if top_k > 0 and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop = (sorted_probs.cumsum(-1) - sorted_probs) > top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        # Exponential race (Gumbel-max in disguise): a sample without torch.multinomial's sync.
+        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        return torch.argmax(probs / noise, dim=-1, keepdim=True)
+
+    return sample

@@ -1,0 +1,54 @@
+"""The `duet` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engines.config import ConfigError
+
+    from .app import create_app
+    from .settings import Settings
+
+    overrides = {
+        k: v for k, v in {
+            "host": args.host, "port": args.port, "models_file": args.config,
+            "model": args.model, "engine": args.engine, "device": args.device,
+        }.items() if v is not None
+    }
+    settings = Settings(**overrides)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app = create_app(settings)
+    except (ConfigError, ValueError) as exc:
+        print(f"duet: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duet", description="A local OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI API")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--config", help="model registry file (default: the repository's models.toml)")
+    serve.add_argument("--model", help="model id to load at start-up (default: the first one)")
+    serve.add_argument("--engine", choices=["auto", "torch", "mlx"], help="engine for that model")
+    serve.add_argument("--device", help="torch device: auto, cpu, cuda or mps")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

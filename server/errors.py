@@ -1,0 +1,128 @@
+"""One error shape for every failure: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.base import BackendMissing, ContextLengthExceeded, EngineError
+
+log = logging.getLogger("duet.server")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404, f"The model '{model}' does not exist; GET /v1/models lists the models served",
+        param="model", code="model_not_found",
+    )
+
+
+def from_engine_error(exc: EngineError, prompt_param: str = "messages") -> APIError:
+    if isinstance(exc, ContextLengthExceeded):
+        return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, BackendMissing):
+        return APIError(400, str(exc), param="engine", code="engine_unavailable")
+    return APIError(503, str(exc), type="server_error", code="model_unavailable")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'.
+
+    pydantic puts union member and validator names in the location; they are not fields."""
+    out = ""
+    for part in loc:
+        if part in ("body", "query", "path", "header"):
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        part = str(part)
+        if "[" in part or "-" in part or part in _TYPE_TAGS or part[:1].isupper():
+            continue
+        out += ("." if out else "") + part
+    return out or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON", None
+    param = _param_from_loc(tuple(first.get("loc", ())))
+    msg = first.get("msg", "Invalid value")
+    if param:
+        msg = f"{param}: {msg}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return msg, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return APIError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError):
+        return from_engine_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unexpected error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()

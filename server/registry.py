@@ -1,0 +1,128 @@
+"""Which models exist (models.toml) and which engines are loaded for them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from typing import Protocol
+
+from engines.base import Engine, EngineError
+from engines.config import ModelSpec
+from engines.factory import ENGINE_NAMES, backend_available, create_engine, resolve_engine_name
+from engines.sources import resolve_model_dir
+
+from .errors import APIError, model_not_found
+from .worker import EngineWorker
+
+log = logging.getLogger("duet.server")
+
+
+class EngineFactory(Protocol):
+    names: tuple[str, ...]
+
+    def available(self, name: str) -> bool: ...
+
+    def create(self, name: str, spec: ModelSpec) -> Engine: ...
+
+
+class BackendEngineFactory:
+    """The real engines: resolve the model's files, then build the engine."""
+
+    names = ENGINE_NAMES
+
+    def __init__(self, device: str = "auto"):
+        self.device = device
+
+    def available(self, name: str) -> bool:
+        return backend_available(name)
+
+    def create(self, name: str, spec: ModelSpec) -> Engine:
+        model_dir = resolve_model_dir(spec)
+        return create_engine(
+            name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
+            device=self.device,
+        )
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        factory: EngineFactory,
+        engine_override: dict[str, str] | None = None,
+    ):
+        self.specs = {s.id: s for s in specs}
+        self.factory = factory
+        self._default_engine = {
+            s.id: resolve_engine_name((engine_override or {}).get(s.id, s.engine)) for s in specs
+        }
+        self._workers: dict[tuple[str, str], EngineWorker] = {}
+        self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def spec(self, model_id: str) -> ModelSpec:
+        try:
+            return self.specs[model_id]
+        except KeyError:
+            raise model_not_found(model_id) from None
+
+    def default_engine(self, model_id: str) -> str:
+        return self._default_engine[model_id]
+
+    def is_loaded(self, model_id: str, engine: str) -> bool:
+        worker = self._workers.get((model_id, engine))
+        return worker is not None and worker.loaded
+
+    def loaded_info(self, model_id: str, engine: str):
+        worker = self._workers.get((model_id, engine))
+        return worker.engine.info if worker is not None and worker.loaded else None
+
+    async def worker(self, model_id: str, engine: str | None = None) -> EngineWorker:
+        """The worker of a loaded engine, loading it on first use."""
+        spec = self.spec(model_id)
+        name = self.default_engine(model_id) if engine in (None, "auto") else engine
+        if name not in self.factory.names:
+            raise APIError(400, f"unknown engine '{name}'", param="engine", code="invalid_value")
+        key = (spec.id, name)
+        worker = self._workers.get(key)
+        if worker is not None and worker.loaded:
+            return worker
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        async with lock:
+            worker = self._workers.get(key)
+            if worker is not None and worker.loaded:
+                return worker
+            if not self.factory.available(name):
+                from engines.factory import require_backend
+
+                require_backend(name)  # raises BackendMissing with the extra to install
+            worker = EngineWorker(f"{spec.id}-{name}")
+            try:
+                await worker.load(lambda: self.factory.create(name, spec))
+            except EngineError:
+                worker.close()
+                raise
+            except Exception as exc:
+                worker.close()
+                log.exception("loading %s on %s failed", spec.id, name)
+                raise APIError(
+                    503, f"model '{spec.id}' could not be loaded on the {name} engine: {exc}",
+                    type="server_error", code="model_unavailable",
+                ) from exc
+            self._workers[key] = worker
+            return worker
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
+
+
+def default_model_id(specs: list[ModelSpec], requested: str | None) -> str:
+    if requested is None:
+        return specs[0].id
+    if requested not in {s.id for s in specs}:
+        raise ValueError(f"model '{requested}' is not in the registry")
+    return requested
+
+

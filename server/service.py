@@ -1,0 +1,138 @@
+"""Requests -> engine calls -> OpenAI objects. The one place that knows both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engines.base import ContextLengthExceeded, Engine, EngineError, RequestStats, Step
+
+from .errors import APIError, bad_request, from_engine_error
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from .registry import ModelRegistry
+from .streaming import DONE, ResponseShape, sse
+
+log = logging.getLogger("duet.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class GenerationService:
+    def __init__(self, registry: ModelRegistry):
+        self.registry = registry
+
+    async def chat(self, req: ChatCompletionRequest):
+        messages = req.template_messages()
+
+        def prompt(engine: Engine) -> list[int]:
+            try:
+                return engine.apply_chat_template(messages)
+            except ValueError as exc:  # a model without a chat template
+                raise bad_request(str(exc), param="messages") from exc
+            except Exception as exc:  # the template itself rejected the conversation
+                raise bad_request(f"the chat template failed: {exc}", param="messages") from exc
+
+        return await self._generate(req, prompt, "messages", chat=True)
+
+    async def completion(self, req: CompletionRequest):
+        def prompt(engine: Engine) -> list[int]:
+            if isinstance(req.prompt, str):
+                return engine.tokenize(req.prompt)
+            vocab = engine.tokenizer.vocab_size
+            bad = [t for t in req.prompt if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+            return list(req.prompt)
+
+        return await self._generate(req, prompt, "prompt", chat=False)
+
+    async def _generate(
+        self,
+        req: GenerationFields,
+        prompt_of: Callable[[Engine], list[int]],
+        prompt_param: str,
+        *,
+        chat: bool,
+    ):
+        spec = self.registry.spec(req.model)
+        if spec.task != "generate":
+            raise bad_request(f"model '{spec.id}' is a {spec.task} model", param="model")
+        try:
+            worker = await self.registry.worker(spec.id, req.engine)
+            engine = worker.engine
+            prompt_ids = await asyncio.to_thread(prompt_of, engine)
+            if not prompt_ids:
+                raise bad_request("the prompt is empty", param=prompt_param)
+            params = req.to_sampling_params(self._max_tokens(req, len(prompt_ids), engine))
+        except EngineError as exc:
+            raise from_engine_error(exc, prompt_param) from exc
+
+        events = worker.stream(lambda eng, should_stop: eng.generate(prompt_ids, params, should_stop))
+        shape = ResponseShape(chat=chat, model=spec.id)
+        if req.stream:
+            return await self._stream_response(events, shape, req.include_usage, prompt_param)
+        text, stats = await _collect(events, prompt_param)
+        return JSONResponse(shape.full(text, stats))
+
+    @staticmethod
+    def _max_tokens(req: GenerationFields, prompt_tokens: int, engine: Engine) -> int:
+        context = engine.info.context_length
+        asked = req.requested_max_tokens()
+        if asked is None:
+            # OpenAI's default: as many as the context leaves.
+            if prompt_tokens >= context:
+                raise ContextLengthExceeded(prompt_tokens, 1, context)
+            return context - prompt_tokens
+        if prompt_tokens + asked > context:
+            raise ContextLengthExceeded(prompt_tokens, asked, context)
+        return asked
+
+    async def _stream_response(
+        self, events: AsyncIterator, shape: ResponseShape, include_usage: bool, prompt_param: str
+    ) -> StreamingResponse:
+        # Wait for the first event so a failure before any token is an HTTP error, not a 200.
+        try:
+            first = await anext(events)
+        except EngineError as exc:
+            raise from_engine_error(exc, prompt_param) from exc
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                if shape.chat:
+                    yield sse(shape.chunk(first=True, include_usage=include_usage))
+                event: Any = first
+                while True:
+                    if isinstance(event, RequestStats):
+                        yield sse(shape.chunk(stats=event, include_usage=include_usage))
+                        if include_usage:
+                            yield sse(shape.usage_chunk(event))
+                        break
+                    if event.text:
+                        yield sse(shape.chunk(event.text, include_usage=include_usage))
+                    event = await anext(events)
+            except Exception as exc:
+                log.exception("generation failed mid-stream")
+                err = exc if isinstance(exc, APIError) else None
+                yield sse(shape.error_event(err.message if err else f"generation failed: {exc}"))
+            finally:
+                await events.aclose()
+            yield DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _collect(events: AsyncIterator, prompt_param: str) -> tuple[str, RequestStats]:
+    parts: list[str] = []
+    try:
+        async for event in events:
+            if isinstance(event, Step):
+                parts.append(event.text)
+            else:
+                return "".join(parts), event
+    except EngineError as exc:
+        raise from_engine_error(exc, prompt_param) from exc
+    raise APIError(500, "the engine ended without statistics", type="server_error")
