@@ -34,10 +34,14 @@ def backend_available(name: str) -> bool:
         return False
 
 
-def require_backend(name: str) -> None:
+def backend_missing(name: str) -> BackendMissing:
     module, extra = _BACKENDS[name]
+    return BackendMissing(name, module, extra)
+
+
+def require_backend(name: str) -> None:
     if not backend_available(name):
-        raise BackendMissing(name, module, extra)
+        raise backend_missing(name)
 
 
 def create_engine(

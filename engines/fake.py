@@ -40,6 +40,7 @@ class FakeEngine:
         reply: str = "Hello from the fake engine! 你好 🙂",
         context_length: int = 512,
         token_delay_s: float = 0.0,
+        trace: list | None = None,
     ):
         self.name = name
         self.reply = reply
@@ -47,6 +48,8 @@ class FakeEngine:
         self.token_delay_s = token_delay_s
         self.tokenizer = ByteTokenizer()
         self.calls: list[list[int]] = []
+        # (request number, token) in the order tokens were produced, to check for interleaving.
+        self.trace = trace if trace is not None else []
         self.info = EngineInfo(
             engine=name, device="cpu", dtype="none", context_length=context_length,
             backend_version="fake 0",
@@ -58,10 +61,11 @@ class FakeEngine:
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages)
 
-    def _token_ids(self, prompt_ids: Sequence[int]) -> Iterator[int]:
+    def _token_ids(self, request_no: int) -> Iterator[int]:
         for token in [*self.tokenizer.encode(self.reply), EOS]:
             if self.token_delay_s:
                 time.sleep(self.token_delay_s)
+            self.trace.append((request_no, token))
             yield token
 
     def generate(
@@ -74,7 +78,7 @@ class FakeEngine:
             raise ContextLengthExceeded(len(prompt_ids), params.max_tokens, self.context_length)
         self.calls.append(list(prompt_ids))
         return stream_steps(
-            self._token_ids(prompt_ids),
+            self._token_ids(len(self.calls) - 1),
             tokenizer=self.tokenizer,
             params=params,
             prompt_tokens=len(prompt_ids),

@@ -138,6 +138,8 @@ def convert_gguf(gguf_path: Path, target: Path, show_progress: bool = True) -> P
         (tmp / COMPLETE_MARKER).write_text(
             json.dumps({"source": str(gguf_path), "converter_version": CONVERTER_VERSION})
         )
+        if target.exists() and not is_complete(target):
+            shutil.rmtree(target)  # not ours to trust: it lacks the completion marker
         try:
             os.rename(tmp, target)
         except OSError:

@@ -57,16 +57,15 @@ def _from_gguf(spec: ModelSpec, gguf_path: Path, root: Path, show_progress: bool
 
 
 def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    cache = constants.HF_HUB_CACHE
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
-        from huggingface_hub.constants import HF_HUB_CACHE
-
         raise ModelSourceError(
-            f"Hugging Face model '{repo_id}' is not in the local cache ({HF_HUB_CACHE}); "
+            f"Hugging Face model '{repo_id}' is not in the local cache ({cache}); "
             f"duet never downloads at run time: fetch it first with "
             f"'huggingface-cli download {repo_id}' on a connected machine"
         ) from None

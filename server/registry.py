@@ -9,7 +9,13 @@ from typing import Protocol
 
 from engines.base import Engine, EngineError
 from engines.config import ModelSpec
-from engines.factory import ENGINE_NAMES, backend_available, create_engine, resolve_engine_name
+from engines.factory import (
+    ENGINE_NAMES,
+    backend_available,
+    backend_missing,
+    create_engine,
+    resolve_engine_name,
+)
 from engines.sources import resolve_model_dir
 
 from .errors import APIError, model_not_found
@@ -93,9 +99,7 @@ class ModelRegistry:
             if worker is not None and worker.loaded:
                 return worker
             if not self.factory.available(name):
-                from engines.factory import require_backend
-
-                require_backend(name)  # raises BackendMissing with the extra to install
+                raise backend_missing(name)  # names the extra to install
             worker = EngineWorker(f"{spec.id}-{name}")
             try:
                 await worker.load(lambda: self.factory.create(name, spec))

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..base import ContextLengthExceeded, EngineInfo, GenerationEvent, SamplingParams
-from ..generation import MemoryMeter, stream_steps
+from ..generation import MemoryMeter, stream_steps, warm_up
 from ..tokenizer import ChatTokenizer
 
 log = logging.getLogger("duet.engines.mlx")
@@ -54,7 +54,7 @@ class MLXEngine:
         model_dir = Path(model_dir)
         self.device = mlx_device()
         self.dtype = choose_mlx_dtype(dtype, self.device)
-        self.model, _ = load_model(model_dir, lazy=True)
+        self.model, _ = load_model(model_dir, lazy=True, model_config=_legacy_rope_keys(model_dir))
         self.model.set_dtype(_MX_DTYPES[self.dtype])
         mx.eval(self.model.parameters())
         self.context_length = context_length
@@ -69,8 +69,8 @@ class MLXEngine:
             backend_version=f"mlx {mx.__version__}, mlx-lm {_mlx_lm_version()}",
         )
         log.info(
-            "mlx engine loaded %s on %s (%s) in %.1fs",
-            model_dir, self.device, self.dtype, time.perf_counter() - started,
+            "mlx engine loaded %s on %s (%s) in %.1fs; warm-up took %.2fs",
+            model_dir, self.device, self.dtype, time.perf_counter() - started, warm_up(self),
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -137,6 +137,21 @@ class MLXEngine:
     def close(self) -> None:
         self.model = None
         self._cache = []
+
+
+def _legacy_rope_keys(model_dir: Path) -> dict:
+    """transformers 5 writes rope settings under rope_parameters; mlx-lm's models read the
+    older top-level rope_theta / rope_scaling and would silently use their defaults."""
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    rope = dict(cfg.get("rope_parameters") or {})
+    out: dict = {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        out["rope_theta"] = rope.pop("rope_theta")
+    if not cfg.get("rope_scaling") and rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rope
+    return out
 
 
 def _mlx_lm_version() -> str:

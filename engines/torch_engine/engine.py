@@ -12,7 +12,7 @@ import torch
 
 from ..base import ContextLengthExceeded, EngineInfo, GenerationEvent, SamplingParams
 from ..device import choose_device, choose_dtype, memory_meter, torch_dtype
-from ..generation import stream_steps
+from ..generation import stream_steps, warm_up
 from ..tokenizer import ChatTokenizer
 from .loader import load_model
 from .sampling import make_sampler
@@ -48,8 +48,8 @@ class TorchEngine:
             backend_version=f"torch {torch.__version__}",
         )
         log.info(
-            "torch engine loaded %s on %s (%s) in %.1fs",
-            model_dir, self.device, self.dtype, time.perf_counter() - started,
+            "torch engine loaded %s on %s (%s) in %.1fs; warm-up took %.2fs",
+            model_dir, self.device, self.dtype, time.perf_counter() - started, warm_up(self),
         )
 
     # The two calls a compiler can wrap: a variable-length prefill and a one-token step.

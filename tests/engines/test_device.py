@@ -1,0 +1,46 @@
+"""Device and dtype choices, with the accelerators faked."""
+
+import pytest
+import torch
+
+from engines.device import CudaMeter, MPSMeter, RSSMeter, choose_device, choose_dtype, memory_meter
+
+
+@pytest.mark.parametrize(
+    "mps, cuda, expected", [(True, True, "mps"), (False, True, "cuda"), (False, False, "cpu")]
+)
+def test_auto_prefers_mps_then_cuda_then_cpu(monkeypatch, mps, cuda, expected):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert choose_device("auto") == expected
+
+
+def test_explicit_device_that_is_missing_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="mps"):
+        choose_device("mps")
+    with pytest.raises(ValueError, match="CUDA"):
+        choose_device("cuda")
+    with pytest.raises(ValueError, match="unknown device"):
+        choose_device("tpu")
+    assert choose_device("cpu") == "cpu"
+
+
+def test_dtype_defaults_per_device():
+    assert choose_dtype("auto", "cuda") == "bfloat16"
+    assert choose_dtype("auto", "mps") == "float16"
+    assert choose_dtype("auto", "cpu") == "float32"
+    assert choose_dtype("float16", "cpu") == "float16"
+
+
+def test_memory_meter_per_device():
+    assert isinstance(memory_meter("cuda"), CudaMeter)
+    assert isinstance(memory_meter("mps"), MPSMeter)
+    meter = memory_meter("cpu")
+    assert isinstance(meter, RSSMeter)
+    meter.reset()
+    block = bytearray(64 * 1024 * 1024)  # touch 64 MiB so RSS grows
+    block[::4096] = b"x" * len(block[::4096])
+    meter.sample()
+    assert meter.peak_bytes() >= 64 * 1024 * 1024

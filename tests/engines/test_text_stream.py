@@ -1,0 +1,104 @@
+"""Incremental detokenization and stop strings, on a real byte-level BPE tokenizer."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.base import RequestStats, SamplingParams, Step
+from engines.fake import EOS, ByteTokenizer
+from engines.generation import MemoryMeter, stream_steps
+from engines.tokenizer import ChatTokenizer, IncrementalDetokenizer, StopMatcher
+
+TEXTS = ["Hello 世界 🙂 naïve café", "🇫🇷 drapeau et 東京タワー", "plain ascii only", "é" * 9]
+
+
+@pytest.fixture(scope="module")
+def byte_bpe(tiny_dirs):
+    return ChatTokenizer(tiny_dirs["llama"][0])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_never_split_a_character(byte_bpe, text):
+    ids = byte_bpe.encode(text)
+    assert len(ids) > len(text) or text.isascii()  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(byte_bpe)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+@given(st.text(min_size=0, max_size=40))
+@settings(max_examples=150, deadline=None)
+def test_detokenizer_round_trips_any_text(text):
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in tok.encode(text)] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@given(
+    text=st.text(alphabet="abcXY🙂 ", min_size=0, max_size=40),
+    stops=st.lists(st.text(alphabet="abcXY🙂", min_size=1, max_size=4), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=10),
+)
+@settings(max_examples=300, deadline=None)
+def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(text, stops, cuts):
+    pieces, last = [], 0
+    for c in sorted(set(min(c, len(text)) for c in cuts)) + [len(text)]:
+        pieces.append(text[last:c])
+        last = c
+    matcher = StopMatcher(stops)
+    out = ""
+    for piece in pieces:
+        out += matcher.feed(piece)
+        if matcher.stopped:
+            break
+    if not matcher.stopped:
+        out += matcher.flush()
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert out == (text[: min(hits)] if hits else text)
+    assert matcher.stopped == bool(hits)
+
+
+def _run(reply_ids, params, eos=frozenset({EOS})):
+    tok = ByteTokenizer()
+    events = list(
+        stream_steps(iter(reply_ids), tokenizer=tok, params=params, prompt_tokens=3, engine="t",
+                     device="cpu", meter=MemoryMeter(), kv_cache_bytes=lambda: 7)
+    )
+    steps = [e for e in events if isinstance(e, Step)]
+    assert isinstance(events[-1], RequestStats)
+    assert all(s.finish_reason is None for s in steps[:-1]) and steps[-1].finish_reason
+    return "".join(s.text for s in steps), events[-1]
+
+
+def test_stream_stops_at_eos_and_counts_it():
+    ids = ByteTokenizer().encode("hi 🙂") + [EOS, 65, 66]
+    text, stats = _run(ids, SamplingParams(max_tokens=50))
+    assert text == "hi 🙂" and stats.finish_reason == "stop"
+    assert stats.completion_tokens == len("hi 🙂".encode()) + 1
+    assert stats.kv_cache_bytes == 7 and stats.prompt_tokens == 3
+
+
+def test_stream_stops_at_max_tokens():
+    text, stats = _run(ByteTokenizer().encode("abcdefgh"), SamplingParams(max_tokens=5))
+    assert text == "abcde" and stats.finish_reason == "length" and stats.completion_tokens == 5
+
+
+def test_stop_string_split_across_tokens_is_never_emitted():
+    ids = ByteTokenizer().encode("Paris.\nUser: more")
+    text, stats = _run(ids, SamplingParams(max_tokens=50, stop=("\nUser:",)))
+    assert text == "Paris." and stats.finish_reason == "stop"
+
+
+def test_max_tokens_inside_a_partial_stop_releases_held_text():
+    ids = ByteTokenizer().encode("abc\nUs")
+    text, stats = _run(ids, SamplingParams(max_tokens=6, stop=("\nUser:",)))
+    assert text == "abc\nUs" and stats.finish_reason == "length"
+
+
+def test_ignore_eos_keeps_going():
+    ids = [65, EOS, 66]
+    text, stats = _run(ids, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert stats.completion_tokens == 3 and stats.finish_reason == "length"

@@ -1,0 +1,61 @@
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.fake import FakeEngine
+from server.app import create_app
+from server.settings import Settings
+
+MODELS = """
+[[models]]
+id = "tiny"
+source = "path:/unused"
+engine = "torch"
+context_length = 512
+
+[[models]]
+id = "sorter"
+source = "path:/unused"
+task = "classify"
+"""
+
+
+class FakeFactory:
+    names = ("torch", "mlx")
+
+    def __init__(self, available=("torch", "mlx"), **engine_kwargs):
+        self._available = set(available)
+        self.engine_kwargs = engine_kwargs
+        self.engines: dict[str, FakeEngine] = {}
+
+    def available(self, name):
+        return name in self._available
+
+    def create(self, name, spec):
+        engine = FakeEngine(name, context_length=spec.context_length, **self.engine_kwargs)
+        self.engines[name] = engine
+        return engine
+
+
+@pytest.fixture
+def models_file(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text(MODELS)
+    return path
+
+
+@pytest.fixture
+def make_client(models_file):
+    def make(factory=None, **settings):
+        factory = factory or FakeFactory()
+        app = create_app(Settings(models_file=models_file, **settings), factory)
+        client = TestClient(app)
+        client.factory = factory
+        return client
+
+    return make
+
+
+@pytest.fixture
+def client(make_client):
+    with make_client() as c:
+        yield c
