@@ -135,4 +135,9 @@ async def _collect(events: AsyncIterator, prompt_param: str) -> tuple[str, Reque
                 return "".join(parts), event
     except EngineError as exc:
         raise from_engine_error(exc, prompt_param) from exc
+    except APIError:
+        raise
+    except Exception as exc:
+        log.exception("generation failed")
+        raise APIError(500, f"generation failed: {exc}", type="server_error") from exc
     raise APIError(500, "the engine ended without statistics", type="server_error")
