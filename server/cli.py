@@ -34,6 +34,25 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """Convert/locate a model's files now rather than on first start (used by the Docker image)."""
+    from engines.config import ConfigError, load_models_file
+    from engines.sources import ModelSourceError, resolve_model_dir
+
+    from .registry import default_model_id
+    from .settings import Settings
+
+    settings = Settings(**({"models_file": args.config} if args.config else {}))
+    try:
+        specs = load_models_file(settings.models_file)
+        spec = next(s for s in specs if s.id == default_model_id(specs, args.model))
+        print(resolve_model_dir(spec))
+    except (ConfigError, ModelSourceError, ValueError) as exc:
+        print(f"duet: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duet", description="A local OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", help="model id to load at start-up (default: the first one)")
     serve.add_argument("--engine", choices=["auto", "torch", "mlx"], help="engine for that model")
     serve.add_argument("--device", help="torch device: auto, cpu, cuda or mps")
+    prepare = sub.add_parser("prepare", help="convert a model into the cache and print its path")
+    prepare.add_argument("--config", help="model registry file")
+    prepare.add_argument("--model", help="model id (default: the first one)")
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    return 1
+    return {"serve": _serve, "prepare": _prepare}[args.command](args)
 
 
 if __name__ == "__main__":
