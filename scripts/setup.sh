@@ -28,7 +28,7 @@ if [ -x .venv/bin/python ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" =
 fi
 
 py=$(pick_python)
-echo "duet setup: creating .venv with $($py --version)"
+echo "duet setup: installing into .venv with $($py --version)"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install -q "$torch_spec"
