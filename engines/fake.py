@@ -7,10 +7,10 @@ reply is scripted, and a per-token delay lets tests observe queuing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
-from .base import ContextLengthExceeded, EngineInfo, GenerationEvent, SamplingParams
-from .generation import MemoryMeter, stream_steps
+from .base import EngineInfo, SamplingParams
+from .generation import MemoryMeter, TokenLoopEngine
 
 EOS = 256
 
@@ -32,7 +32,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-class FakeEngine:
+class FakeEngine(TokenLoopEngine):
     def __init__(
         self,
         name: str = "fake",
@@ -50,44 +50,21 @@ class FakeEngine:
         self.calls: list[list[int]] = []
         # (request number, token) in the order tokens were produced, to check for interleaving.
         self.trace = trace if trace is not None else []
+        self.device = "cpu"
+        self._meter = MemoryMeter()
         self.info = EngineInfo(
             engine=name, device="cpu", dtype="none", context_length=context_length,
             backend_version="fake 0",
         )
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
-
-    def _token_ids(self, request_no: int) -> Iterator[int]:
+    def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        self.calls.append(list(prompt_ids))
+        request_no = len(self.calls) - 1
         for token in [*self.tokenizer.encode(self.reply), EOS]:
             if self.token_delay_s:
                 time.sleep(self.token_delay_s)
             self.trace.append((request_no, token))
             yield token
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[GenerationEvent]:
-        if len(prompt_ids) + params.max_tokens > self.context_length:
-            raise ContextLengthExceeded(len(prompt_ids), params.max_tokens, self.context_length)
-        self.calls.append(list(prompt_ids))
-        return stream_steps(
-            self._token_ids(len(self.calls) - 1),
-            tokenizer=self.tokenizer,
-            params=params,
-            prompt_tokens=len(prompt_ids),
-            engine=self.name,
-            device="cpu",
-            meter=MemoryMeter(),
-            kv_cache_bytes=lambda: 0,
-            should_stop=should_stop,
-        )
 
     def logits(self, prompt_ids: Sequence[int]):
         import numpy as np

@@ -8,9 +8,9 @@ max_tokens, cancellation, timings and peak memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-from .base import GenerationEvent, RequestStats, SamplingParams, Step
+from .base import ContextLengthExceeded, GenerationEvent, RequestStats, SamplingParams, Step
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer, StopMatcher
 
 
@@ -106,3 +106,51 @@ def warm_up(engine) -> float:
     for _ in engine.generate(prompt, params):
         pass
     return time.perf_counter() - start
+
+
+class TokenLoopEngine:
+    """What every engine shares above its sampled-token iterator.
+
+    A subclass sets name, device, context_length, tokenizer and _meter, and implements
+    _token_ids (prefill, then one id per decode step) and _kv_cache_bytes."""
+
+    name: str
+    device: str
+    context_length: int
+
+    def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        raise NotImplementedError
+
+    def _kv_cache_bytes(self) -> int:
+        return 0
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode_prompt(text)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[GenerationEvent]:
+        # Checked here, not inside the iterator, so the caller hears of it before any token.
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        self._meter.reset()
+        return stream_steps(
+            self._token_ids(prompt_ids, params),
+            tokenizer=self.tokenizer,
+            params=params,
+            prompt_tokens=len(prompt_ids),
+            engine=self.name,
+            device=self.device,
+            meter=self._meter,
+            kv_cache_bytes=self._kv_cache_bytes,
+            should_stop=should_stop,
+        )

@@ -99,6 +99,11 @@ class GenerationService:
             first = await anext(events)
         except EngineError as exc:
             raise from_engine_error(exc, prompt_param) from exc
+        except APIError:
+            raise
+        except Exception as exc:
+            log.exception("generation failed before its first token")
+            raise APIError(500, f"generation failed: {exc}", type="server_error") from exc
 
         async def body() -> AsyncIterator[str]:
             try:

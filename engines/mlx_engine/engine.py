@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..base import ContextLengthExceeded, EngineInfo, GenerationEvent, SamplingParams
-from ..generation import MemoryMeter, stream_steps, warm_up
+from ..base import EngineInfo, SamplingParams
+from ..generation import MemoryMeter, TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
 
 log = logging.getLogger("duet.engines.mlx")
@@ -44,7 +44,7 @@ class MLXMeter(MemoryMeter):
         return int(mx.get_peak_memory())
 
 
-class MLXEngine:
+class MLXEngine(TokenLoopEngine):
     name = "mlx"
 
     def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto"):
@@ -73,12 +73,6 @@ class MLXEngine:
             model_dir, self.device, self.dtype, time.perf_counter() - started, warm_up(self),
         )
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode_prompt(text)
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
-
     def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -104,30 +98,6 @@ class MLXEngine:
 
     def _kv_cache_bytes(self) -> int:
         return int(sum(getattr(c, "nbytes", 0) for c in self._cache))
-
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens + max_tokens > self.context_length:
-            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[GenerationEvent]:
-        self.check_fits(len(prompt_ids), params.max_tokens)
-        self._meter.reset()
-        return stream_steps(
-            self._token_ids(prompt_ids, params),
-            tokenizer=self.tokenizer,
-            params=params,
-            prompt_tokens=len(prompt_ids),
-            engine=self.name,
-            device=self.device,
-            meter=self._meter,
-            kv_cache_bytes=self._kv_cache_bytes,
-            should_stop=should_stop,
-        )
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)

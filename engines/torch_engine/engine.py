@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..base import ContextLengthExceeded, EngineInfo, GenerationEvent, SamplingParams
+from ..base import EngineInfo, SamplingParams
 from ..device import choose_device, choose_dtype, memory_meter, torch_dtype
-from ..generation import stream_steps, warm_up
+from ..generation import TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
 from .loader import load_model
 from .sampling import make_sampler
@@ -20,7 +20,7 @@ from .sampling import make_sampler
 log = logging.getLogger("duet.engines.torch")
 
 
-class TorchEngine:
+class TorchEngine(TokenLoopEngine):
     name = "torch"
 
     def __init__(
@@ -61,12 +61,6 @@ class TorchEngine:
     def decode_step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         return self.model(token.view(1, 1), pos)[0, -1]
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode_prompt(text)
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
-
     def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         sample = make_sampler(params, self.device)
         tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
@@ -79,35 +73,14 @@ class TorchEngine:
             token = sample(self.decode_step(token, pos))
             pos += 1
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens + max_tokens > self.context_length:
-            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
-
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[GenerationEvent]:
-        self.check_fits(len(prompt_ids), params.max_tokens)
-        self._meter.reset()
-        return stream_steps(
-            self._token_ids(prompt_ids, params),
-            tokenizer=self.tokenizer,
-            params=params,
-            prompt_tokens=len(prompt_ids),
-            engine=self.name,
-            device=self.device,
-            meter=self._meter,
-            kv_cache_bytes=lambda: self.model.kv_cache_bytes,
-            should_stop=should_stop,
-        )
-
     @torch.inference_mode()
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
         tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         return self.model(tokens, 0)[0].float().cpu().numpy()
+
+    def _kv_cache_bytes(self) -> int:
+        return self.model.kv_cache_bytes
 
     def close(self) -> None:
         self.model = None

@@ -45,7 +45,7 @@ def test_concurrent_requests_run_in_order_without_mixing(models_file):
 
 
 class ExplodingEngine(FakeEngine):
-    def _token_ids(self, request_no):
+    def _token_ids(self, prompt_ids, params):
         yield from self.tokenizer.encode("ok ")
         raise RuntimeError("the accelerator caught fire")
 
