@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-SOURCE_KINDS = ("package", "path", "hf")
+SOURCE_KINDS = ("package", "path", "hf", "dummy")
 
 
 class ConfigError(ValueError):
@@ -23,7 +23,8 @@ class ModelSpec(BaseModel):
         description=(
             "package:MODULE/FILE.gguf (a GGUF file shipped in an installed Python package), "
             "path:/a/model/dir (a local Hugging Face-style directory), "
-            "hf:org/name (a Hugging Face id, resolved from the local HF cache only)"
+            "hf:org/name (a Hugging Face id, resolved from the local HF cache only), "
+            "dummy:SHAPE (random weights of a known shape, for benchmarks)"
         )
     )
     engine: Literal["torch", "mlx", "auto"] = "auto"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import psutil
@@ -9,6 +10,9 @@ import psutil
 from .generation import MemoryMeter
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+MPS_FALLBACK_ENV = "PYTORCH_ENABLE_MPS_FALLBACK"
+
+log = logging.getLogger("duet.engines.device")
 
 
 def choose_device(requested: str = "auto") -> str:
@@ -45,6 +49,30 @@ def torch_dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def mps_fallback_enabled() -> bool:
+    return os.environ.get(MPS_FALLBACK_ENV) == "1"
+
+
+def configure_mps(memory_fraction: float | None) -> None:
+    """Apply the MPS settings and say at start-up how ops without an MPS kernel will behave."""
+    import torch
+
+    if memory_fraction is not None:
+        # Unified memory is shared with the whole system: cap what this process may take.
+        torch.mps.set_per_process_memory_fraction(memory_fraction)
+        log.info("MPS memory capped at %.0f%% of the recommended maximum", memory_fraction * 100)
+    if mps_fallback_enabled():
+        log.warning(
+            "%s=1: ops without an MPS kernel run on the CPU, each costing a sync and copies",
+            MPS_FALLBACK_ENV,
+        )
+    else:
+        log.info(
+            "%s is not set: an op without an MPS kernel fails instead of running on the CPU",
+            MPS_FALLBACK_ENV,
+        )
 
 
 def synchronize(device: str) -> None:
@@ -90,7 +118,9 @@ class CudaMeter(MemoryMeter):
 
 
 class MPSMeter(MemoryMeter):
-    """MPS has no peak counter: sample the allocator each step."""
+    """MPS has no peak counter: sample the allocator each step. Tensors only
+    (current_allocated_memory), like CUDA's max_memory_allocated; driver_allocated_memory also
+    counts Metal's cached blocks and is reported apart."""
 
     def __init__(self) -> None:
         self._peak = 0
@@ -108,6 +138,12 @@ class MPSMeter(MemoryMeter):
     def peak_bytes(self) -> int:
         self.sample()
         return self._peak
+
+    @staticmethod
+    def driver_bytes() -> int:
+        import torch
+
+        return int(torch.mps.driver_allocated_memory())
 
 
 def memory_meter(device: str) -> MemoryMeter:

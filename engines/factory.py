@@ -50,13 +50,14 @@ def create_engine(
     *,
     context_length: int,
     dtype: str = "auto",
-    device: str = "auto",
+    **torch_options,
 ) -> Engine:
+    """torch_options (device, compile, mps_memory_fraction) go to the torch engine only."""
     require_backend(name)
     if name == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, context_length=context_length, dtype=dtype, device=device)
+        return TorchEngine(model_dir, context_length=context_length, dtype=dtype, **torch_options)
     from .mlx_engine import MLXEngine
 
     return MLXEngine(model_dir, context_length=context_length, dtype=dtype)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .base import EngineError
 from .config import ModelSpec
+from .dummy import write_dummy_model
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
 
 CACHE_ENV = "DUET_CACHE_DIR"
@@ -78,6 +79,11 @@ def resolve_model_dir(spec: ModelSpec, root: Path | None = None, show_progress: 
         return _from_gguf(spec, find_package_file(ref), root, show_progress)
     if kind == "hf":
         return _from_hf_cache(ref)
+    if kind == "dummy":
+        try:
+            return write_dummy_model(ref, root / "dummy" / ref)
+        except ValueError as exc:
+            raise ModelSourceError(f"model '{spec.id}': {exc}") from exc
     path = Path(ref).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(spec, path, root, show_progress)

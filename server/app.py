@@ -24,7 +24,12 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     specs = load_models_file(settings.models_file)  # a bad registry stops start-up here
     startup_model = default_model_id(specs, settings.model)
     override = {startup_model: settings.engine} if settings.engine else {}
-    registry = ModelRegistry(specs, factory or BackendEngineFactory(settings.device), override)
+    if factory is None:
+        factory = BackendEngineFactory(
+            device=settings.device, compile=settings.compile,
+            mps_memory_fraction=settings.mps_memory_fraction,
+        )
+    registry = ModelRegistry(specs, factory, override)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -19,9 +20,15 @@ def _serve(args: argparse.Namespace) -> int:
         k: v for k, v in {
             "host": args.host, "port": args.port, "models_file": args.config,
             "model": args.model, "engine": args.engine, "device": args.device,
+            "compile": args.compile, "mps_memory_fraction": args.mps_memory_fraction,
         }.items() if v is not None
     }
+    if args.mps_fallback:
+        overrides["mps_fallback"] = True
     settings = Settings(**overrides)
+    if settings.mps_fallback:
+        # torch reads this when it is first imported, which happens only when an engine loads.
+        os.environ["PYTORCH_ENABLE_MPS_FALLBACK"] = "1"
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -63,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", help="model id to load at start-up (default: the first one)")
     serve.add_argument("--engine", choices=["auto", "torch", "mlx"], help="engine for that model")
     serve.add_argument("--device", help="torch device: auto, cpu, cuda or mps")
+    serve.add_argument("--compile", choices=["auto", "on", "off"],
+                       help="torch engine: compile the decode step (auto: on CUDA)")
+    serve.add_argument("--mps-memory-fraction", type=float,
+                       help="torch engine on MPS: cap memory (torch.mps.set_per_process_memory_fraction)")
+    serve.add_argument("--mps-fallback", action="store_true",
+                       help="run ops without an MPS kernel on the CPU (PYTORCH_ENABLE_MPS_FALLBACK=1)")
     prepare = sub.add_parser("prepare", help="convert a model into the cache and print its path")
     prepare.add_argument("--config", help="model registry file")
     prepare.add_argument("--model", help="model id (default: the first one)")

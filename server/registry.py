@@ -37,17 +37,17 @@ class BackendEngineFactory:
 
     names = ENGINE_NAMES
 
-    def __init__(self, device: str = "auto"):
-        self.device = device
+    def __init__(self, **torch_options):
+        self.torch_options = torch_options
 
     def available(self, name: str) -> bool:
         return backend_available(name)
 
     def create(self, name: str, spec: ModelSpec) -> Engine:
         model_dir = resolve_model_dir(spec)
+        options = self.torch_options if name == "torch" else {}
         return create_engine(
-            name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
-            device=self.device,
+            name, model_dir, context_length=spec.context_length, dtype=spec.dtype, **options
         )
 
 

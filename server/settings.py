@@ -24,6 +24,17 @@ class Settings(BaseSettings):
         None, description="Engine for the start-up model, overriding its models.toml default"
     )
     device: str = Field("auto", description="torch device: auto (mps, cuda, cpu), cpu, cuda, mps")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch engine: compile the decode step (auto: on CUDA, with CUDA graphs)",
+    )
+    mps_memory_fraction: float | None = Field(
+        None, gt=0.0, le=2.0,
+        description="torch engine on MPS: torch.mps.set_per_process_memory_fraction",
+    )
+    mps_fallback: bool = Field(
+        False, description="Set PYTORCH_ENABLE_MPS_FALLBACK=1: run ops MPS lacks on the CPU"
+    )
     preload: bool = Field(True, description="Load the start-up model before accepting requests")
     max_prompt_chars: int = Field(1_000_000, ge=1, description="Longest prompt text accepted")
     log_level: Literal["debug", "info", "warning", "error"] = "info"

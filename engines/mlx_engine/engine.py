@@ -3,6 +3,7 @@ interface. MLX runs on Metal on Apple Silicon, on CUDA where mlx-cuda is install
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -12,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..base import EngineInfo, SamplingParams
+from ..dummy import is_dummy
 from ..generation import MemoryMeter, TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
 
@@ -54,7 +56,12 @@ class MLXEngine(TokenLoopEngine):
         model_dir = Path(model_dir)
         self.device = mlx_device()
         self.dtype = choose_mlx_dtype(dtype, self.device)
-        self.model, _ = load_model(model_dir, lazy=True, model_config=_legacy_rope_keys(model_dir))
+        config = json.loads((model_dir / "config.json").read_text())
+        # A dummy model has no weight files: mlx-lm's random initialisation stands in.
+        self.model, _ = load_model(
+            model_dir, lazy=True, strict=not is_dummy(config),
+            model_config=_legacy_rope_keys(config),
+        )
         self.model.set_dtype(_MX_DTYPES[self.dtype])
         mx.eval(self.model.parameters())
         self.context_length = context_length
@@ -109,12 +116,9 @@ class MLXEngine(TokenLoopEngine):
         self._cache = []
 
 
-def _legacy_rope_keys(model_dir: Path) -> dict:
+def _legacy_rope_keys(cfg: dict) -> dict:
     """transformers 5 writes rope settings under rope_parameters; mlx-lm's models read the
     older top-level rope_theta / rope_scaling and would silently use their defaults."""
-    import json
-
-    cfg = json.loads((model_dir / "config.json").read_text())
     rope = dict(cfg.get("rope_parameters") or {})
     out: dict = {}
     if "rope_theta" not in cfg and "rope_theta" in rope:

@@ -11,13 +11,17 @@ import numpy as np
 import torch
 
 from ..base import EngineInfo, SamplingParams
-from ..device import choose_device, choose_dtype, memory_meter, torch_dtype
+from ..device import choose_device, choose_dtype, configure_mps, memory_meter, torch_dtype
 from ..generation import TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
 from .loader import load_model
+from .runner import EagerRunner, StaticRunner
 from .sampling import make_sampler
 
 log = logging.getLogger("duet.engines.torch")
+
+
+COMPILE_MODES = ("auto", "on", "off")
 
 
 class TorchEngine(TokenLoopEngine):
@@ -30,48 +34,69 @@ class TorchEngine(TokenLoopEngine):
         context_length: int,
         dtype: str = "auto",
         device: str = "auto",
+        compile: str = "auto",
+        mps_memory_fraction: float | None = None,
     ):
         started = time.perf_counter()
         model_dir = Path(model_dir)
         self.device = choose_device(device)
+        if self.device == "mps":
+            configure_mps(mps_memory_fraction)
         self.dtype = choose_dtype(dtype, self.device)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
         self.context_length = context_length
         self.model.setup_cache(context_length)
         self.tokenizer = ChatTokenizer(model_dir)
         self._meter = memory_meter(self.device)
+        self.runner = make_runner(self.model, self.device, compile)
+        self.runner.warm_up()
         self.info = EngineInfo(
             engine=self.name,
             device=self.device,
             dtype=self.dtype,
             context_length=context_length,
             backend_version=f"torch {torch.__version__}",
+            extra={"compiled": str(self.runner.compiled).lower()},
         )
         log.info(
-            "torch engine loaded %s on %s (%s) in %.1fs; warm-up took %.2fs",
-            model_dir, self.device, self.dtype, time.perf_counter() - started, warm_up(self),
+            "torch engine loaded %s on %s (%s, %s) in %.1fs; warm-up took %.2fs",
+            model_dir, self.device, self.dtype, type(self.runner).__name__,
+            time.perf_counter() - started, warm_up(self),
         )
-
-    # The two calls a compiler can wrap: a variable-length prefill and a one-token step.
-    @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens, 0, last_only=True)[0, -1]
-
-    @torch.inference_mode()
-    def decode_step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        return self.model(token.view(1, 1), pos)[0, -1]
 
     def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         sample = make_sampler(params, self.device)
-        tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        token = sample(self.prefill(tokens))
+        token = sample(self.runner.prefill(prompt_ids))
+        if self.device.startswith("cuda"):
+            yield from self._pipelined(token, len(prompt_ids), sample)
+            return
         pos = len(prompt_ids)
         while True:
             yield int(token.item())  # the one host sync per token: streaming needs the id
             if pos >= self.context_length:
                 return
-            token = sample(self.decode_step(token, pos))
+            token = sample(self.runner.decode(token, pos))
             pos += 1
+
+    def _pipelined(self, token: torch.Tensor, pos: int, sample) -> Iterator[int]:
+        """CUDA: queue step n+1 before reading token n back, so the GPU never waits for the
+        host. Each id travels through a pinned buffer and an event, not a stream-wide sync."""
+        slots = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        slots[0].copy_(token.view(1), non_blocking=True)
+        events[0].record()
+        i = 0
+        while True:
+            nxt = None
+            if pos < self.context_length:
+                nxt = sample(self.runner.decode(token, pos))
+                slots[1 - i].copy_(nxt.view(1), non_blocking=True)
+                events[1 - i].record()
+            events[i].synchronize()
+            yield int(slots[i].item())
+            if nxt is None:
+                return
+            token, pos, i = nxt, pos + 1, 1 - i
 
     @torch.inference_mode()
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
@@ -84,3 +109,12 @@ class TorchEngine(TokenLoopEngine):
 
     def close(self) -> None:
         self.model = None
+
+
+def make_runner(model, device: str, compile: str):
+    """compile=auto: compiled static decode (CUDA graphs) on CUDA, eager elsewhere."""
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
+    if compile == "on" or (compile == "auto" and device.startswith("cuda")):
+        return StaticRunner(model, device, compile=True)
+    return EagerRunner(model, device)

@@ -1,4 +1,4 @@
-"""Load Hugging Face safetensors into duet's Transformer."""
+"""Load Hugging Face safetensors (or random weights of a shape) into duet's Transformer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ from pathlib import Path
 import torch
 
 from ..base import UnsupportedModel
+from ..dummy import is_dummy
 from .config import ModelArgs
 from .model import Transformer
+
+# Hugging Face keeps these projections apart; duet multiplies by each group as one matrix.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def read_config(model_dir: Path) -> dict:
@@ -23,26 +30,64 @@ def _safetensor_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
+def _read_hf_state(model_dir: Path, tie: bool) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    args = ModelArgs.from_hf(read_config(model_dir))
-    with torch.device("meta"):
-        model = Transformer(args)
     state: dict[str, torch.Tensor] = {}
     for path in _safetensor_files(model_dir):
         for name, tensor in load_file(str(path), device="cpu").items():
-            if args.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            state[name] = tensor.to(device=device, dtype=dtype)
+            if not (tie and name == "lm_head.weight"):
+                state[name] = tensor
+    return state
+
+
+def _fuse(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
+    cfg = read_config(model_dir)
+    args = ModelArgs.from_hf(cfg)
+    if is_dummy(cfg):
+        return random_model(args, dtype, device)
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = _fuse(_read_hf_state(model_dir, args.tie_word_embeddings), args.num_layers)
     expected = set(model.state_dict())
     if args.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = expected - state.keys()
     if missing:
         raise UnsupportedModel(f"{model_dir}: weights missing: {sorted(missing)[:5]}")
-    state = {k: v for k, v in state.items() if k in expected}
+    state = {k: state[k].to(device=device, dtype=dtype) for k in expected}
     model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def random_model(args: ModelArgs, dtype: torch.dtype, device: str, seed: int = 0) -> Transformer:
+    """Weights of the right shapes drawn at random on the device (vLLM's --load-format dummy):
+    decode speed does not depend on weight values."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -1,8 +1,14 @@
 """duet's own Llama-family transformer, in the manner of gpt-fast.
 
 The KV cache is preallocated for the whole context and written in place; attention goes through
-scaled_dot_product_attention; prefill and the single-token decode step are separate calls so a
-compiler can wrap the decode step with static shapes.
+scaled_dot_product_attention; Q/K/V and gate/up projections are fused into one matmul each.
+
+Two ways to address positions:
+- `start: int` (eager, CPU/MPS): attention reads only the filled prefix of the cache, so short
+  sequences cost little.
+- `input_pos: Tensor` (static, for torch.compile and CUDA graphs): every shape is fixed by the
+  context length, the cache is written with index_copy_ and attention masks the unfilled part,
+  so one compiled graph serves every position.
 """
 
 from __future__ import annotations
@@ -24,11 +30,16 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update_and_fetch(self, start: int, k: torch.Tensor, v: torch.Tensor):
+    def write_prefix(self, start: int, k: torch.Tensor, v: torch.Tensor):
         end = start + k.shape[2]
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def write_at(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
 
     @property
     def nbytes(self) -> int:
@@ -56,9 +67,9 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     raise UnsupportedModel(f"rope scaling '{kind}' is not supported (default, linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -68,10 +79,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused op; it accumulates in float32 for half-precision inputs.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,36 +88,60 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         d = args.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=args.o_bias)
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, d, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, start: int, mask):
+    def forward(self, x, cos, sin, pos, mask):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k, v = self.kv_cache.update_and_fetch(start, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=self.n_kv != self.n_heads
-        )
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Rotate Q and K together: half the small ops of rotating each.
+        qk = apply_rope(qk.view(b, t, self.n_heads + self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if isinstance(pos, int):
+            k, v = self.kv_cache.write_prefix(pos, k, v)
+            if t == 1 and mask is None:
+                out = self._one_query_attention(q, k, v)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
+                    enable_gqa=self.n_kv != self.n_heads,
+                )
+        else:
+            k, v = self.kv_cache.write_at(pos, k, v)
+            out = self._grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _one_query_attention(self, q, k, v):
+        """Eager decode step: a group's query heads become the query axis of one K/V head, so
+        SDPA reads the shared K/V as is (its enable_gqa path is several times slower on CPU)."""
+        b, _, _, d = q.shape
+        q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, d)
+        return F.scaled_dot_product_attention(q, k, v).reshape(b, self.n_heads, 1, d)
+
+    def _grouped_attention(self, q, k, v, mask):
+        """GQA without copying K/V: fold each group's query heads into the query axis, so the
+        n_kv cached heads are read once (static shapes compile and replay well)."""
+        b, _, t, d = q.shape
+        rep = self.n_heads // self.n_kv
+        q = q.reshape(b, self.n_kv, rep * t, d)
+        mask = mask.repeat(rep, 1) if rep > 1 else mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.reshape(b, self.n_heads, t, d)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        d, h, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(d, h, bias=bias)
-        self.up_proj = nn.Linear(d, h, bias=bias)
-        self.down_proj = nn.Linear(h, d, bias=bias)
+        d, self.hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_up_proj = nn.Linear(d, 2 * self.hidden, bias=bias)
+        self.down_proj = nn.Linear(self.hidden, d, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -119,8 +152,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, mask)
+    def forward(self, x, cos, sin, pos, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,7 +166,7 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Parameter names match Hugging Face's *ForCausalLM, so safetensors load as they are."""
+    """Parameter names follow Hugging Face's *ForCausalLM, with Q/K/V and gate/up fused."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -155,20 +188,20 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos().to(p.dtype), persistent=False)
         self.register_buffer("rope_sin", emb.sin().to(p.dtype), persistent=False)
+        self.register_buffer(
+            "cache_pos", torch.arange(max_len, device=p.device), persistent=False
+        )
         self.max_len = max_len
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(layer.self_attn.kv_cache.nbytes for layer in self.model.layers)
 
-    def _mask(self, start: int, t: int, device) -> torch.Tensor | None:
+    def _prefix_mask(self, start: int, t: int, device) -> torch.Tensor | None:
         window = self.args.sliding_window
         end = start + t
-        needs_window = window is not None and end > window
-        if start == 0 and not needs_window:
-            return None  # plain causal (or a single token seeing everything)
-        if t == 1 and not needs_window:
-            return None
+        if (start == 0 or t == 1) and not (window is not None and end > window):
+            return None  # plain causal, or one token that sees everything
         q_pos = torch.arange(start, end, device=device)[:, None]
         k_pos = torch.arange(end, device=device)[None, :]
         mask = k_pos <= q_pos
@@ -176,17 +209,37 @@ class Transformer(nn.Module):
             mask &= k_pos > q_pos - window
         return mask
 
-    def forward(self, tokens: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
-        """Logits for `tokens` [1, T] at positions start..start+T (only the last if last_only)."""
+    def _static_mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+        q_pos = input_pos[:, None]
+        mask = self.cache_pos[None, :] <= q_pos
+        if self.args.sliding_window is not None:
+            mask &= self.cache_pos[None, :] > q_pos - self.args.sliding_window
+        return mask
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        pos: int | torch.Tensor,
+        last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ):
+        """Logits for tokens [1, T]. `pos` is the first position (int, eager prefix path) or
+        every token's position (Tensor [T], static path). `last_only` or `logits_at` (indices
+        into T) limit the vocabulary projection to the rows needed."""
         t = tokens.shape[1]
-        if start + t > self.max_len:
-            raise ValueError(f"position {start + t} is past the KV cache ({self.max_len})")
-        cos = self.rope_cos[start : start + t]
-        sin = self.rope_sin[start : start + t]
-        mask = self._mask(start, t, tokens.device)
+        if isinstance(pos, int):
+            if pos + t > self.max_len:
+                raise ValueError(f"position {pos + t} is past the KV cache ({self.max_len})")
+            cos, sin = self.rope_cos[pos : pos + t], self.rope_sin[pos : pos + t]
+            mask = self._prefix_mask(pos, t, tokens.device)
+        else:
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+            mask = self._static_mask(pos)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, start, mask)
+            x = layer(x, cos, sin, pos, mask)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x.index_select(1, logits_at)
         return self.lm_head(self.model.norm(x))
