@@ -123,9 +123,9 @@ class HFGenerate:
         self.model.eval()
         self.context = context
         if self.static:
+            # generate() compiles the decoding forward itself (mode reduce-overhead) once the
+            # cache is static: the documented transformers recipe.
             self.model.generation_config.cache_implementation = "static"
-            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead",
-                                               fullgraph=True)
 
     def _generate(self, ids, n: int) -> float:
         from .device import synchronize

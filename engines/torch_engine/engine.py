@@ -15,7 +15,7 @@ from ..device import choose_device, choose_dtype, configure_mps, memory_meter, t
 from ..generation import TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
 from .loader import load_model
-from .runner import EagerRunner, StaticRunner
+from .runner import CudaGraphRunner, EagerRunner, StaticRunner
 from .sampling import make_sampler
 
 log = logging.getLogger("duet.engines.torch")
@@ -115,6 +115,8 @@ def make_runner(model, device: str, compile: str):
     """compile=auto: compiled static decode (CUDA graphs) on CUDA, eager elsewhere."""
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
-    if compile == "on" or (compile == "auto" and device.startswith("cuda")):
+    if device.startswith("cuda") and compile in ("auto", "on"):
+        return CudaGraphRunner(model, device)
+    if compile == "on":
         return StaticRunner(model, device, compile=True)
     return EagerRunner(model, device)

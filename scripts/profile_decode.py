@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes on the GPU: device time of the captured step alone, the
+whole token loop, and the heaviest kernels. Run on the lent GPU:
+
+  python scripts/profile_decode.py --model llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=200)
+    args = p.parse_args()
+
+    import torch
+
+    from engines import benchmark as core
+    from engines.base import RequestStats, SamplingParams
+    from engines.dummy import write_dummy_model
+    from engines.torch_engine import TorchEngine
+
+    path = write_dummy_model(args.model, Path.home() / ".cache/duet/dummy" / args.model)
+    engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda")
+    runner = engine.runner
+    bw = core.copy_bandwidth("cuda")
+    floor_ms = core.weight_bytes(path, "bfloat16", "cuda") / bw * 1000
+    runner.prefill(list(range(3, 131)))
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    for _ in range(5):
+        runner.decode(token, 0)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        runner.decode(token, 0)  # no readback: the device's own pace
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t) / args.steps * 1000
+    runner.prefill(list(range(3, 131)))
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    stats = [e for e in engine.generate(list(range(3, 131)), params) if isinstance(e, RequestStats)][0]
+    print(f"{args.model}: floor {floor_ms:.3f} ms/token; replayed step {step_ms:.3f} ms "
+          f"({floor_ms / step_ms:.0%} of floor); full loop {1000 / stats.decode_tokens_per_s:.3f} ms "
+          f"({stats.decode_tokens_per_s:.0f} tok/s, {floor_ms * stats.decode_tokens_per_s / 1000:.0%})")
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.prefill(list(range(3, 131)))
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            runner.decode(token, 0)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
