@@ -1,0 +1,76 @@
+"""Device-dependent choices of the torch engine, with the accelerators faked, and dummy models."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from engines import device as dev
+from engines.dummy import SHAPES, write_dummy_model
+from engines.torch_engine.config import ModelArgs
+from engines.torch_engine.engine import make_runner
+from engines.torch_engine.loader import random_model
+from engines.torch_engine.runner import EagerRunner, StaticRunner
+
+
+def test_configure_mps_caps_memory_and_states_the_fallback(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(torch.mps, "set_per_process_memory_fraction", calls.append)
+    monkeypatch.delenv(dev.MPS_FALLBACK_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="duet.engines.device"):
+        dev.configure_mps(0.5)
+    assert calls == [0.5]
+    assert "is not set" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(dev.MPS_FALLBACK_ENV, "1")
+    with caplog.at_level(logging.INFO, logger="duet.engines.device"):
+        dev.configure_mps(None)
+    assert calls == [0.5] and "run on the CPU" in caplog.text
+
+
+def test_mps_meter_samples_the_allocator(monkeypatch):
+    readings = iter([100, 300, 200, 150])
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: next(readings))
+    meter = dev.MPSMeter()
+    meter.reset()
+    meter.sample()
+    meter.sample()
+    assert meter.peak_bytes() == 300
+
+
+def test_runner_choice(tiny_dirs):
+    from engines.torch_engine.loader import load_model
+
+    model = load_model(tiny_dirs["llama"][0], torch.float32, "cpu")
+    model.setup_cache(32)
+    assert isinstance(make_runner(model, "cpu", "auto"), EagerRunner)
+    assert isinstance(make_runner(model, "mps", "auto"), EagerRunner)  # MPS stays eager
+    assert isinstance(make_runner(model, "cpu", "off"), EagerRunner)
+    assert isinstance(make_runner(model, "cpu", "on"), StaticRunner)
+    with pytest.raises(ValueError, match="compile"):
+        make_runner(model, "cpu", "sometimes")
+
+
+def test_dummy_model_directory_has_the_real_shape(tmp_path):
+    path = write_dummy_model("llama-3.1-8b", tmp_path / "d")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["hidden_size"] == 4096 and cfg["num_hidden_layers"] == 32
+    assert cfg["vocab_size"] == 128256 and not cfg["tie_word_embeddings"]
+    from engines.tokenizer import ChatTokenizer
+
+    assert ChatTokenizer(path).vocab_size == 128256
+    with pytest.raises(ValueError, match="unknown dummy shape"):
+        write_dummy_model("gpt-5", tmp_path / "x")
+    assert set(SHAPES) >= {"llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b"}
+
+
+def test_random_model_runs_and_ties_embeddings():
+    cfg = dict(SHAPES["qwen2.5-0.5b"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300)
+    model = random_model(ModelArgs.from_hf(cfg), torch.float32, "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.setup_cache(16)
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 2, 3]]), 0)
+    assert out.shape == (1, 3, 300) and torch.isfinite(out).all()
