@@ -7,10 +7,9 @@ and a word-level tokenizer with the full vocabulary, so detokenizing costs what 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from .atomic_dir import build_atomically
 
 DUMMY_FLAG = "duet_dummy_weights"
 
@@ -75,23 +74,12 @@ def _tokenizer(vocab_size: int):
 def write_dummy_model(shape: str, target: Path) -> Path:
     """Write (once, atomically) the directory of a dummy model of `shape`."""
     config = _config(shape)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".partial-{target.name}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         _tokenizer(config["vocab_size"]).save_pretrained(str(tmp))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return build_atomically(target, build, lambda d: (d / "config.json").is_file())
 
 
 def is_dummy(config: dict) -> bool:

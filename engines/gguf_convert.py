@@ -9,12 +9,11 @@ never leaves a directory that a later start would trust.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from .atomic_dir import build_atomically
 
 COMPLETE_MARKER = "duet-complete.json"
 CONVERTER_VERSION = 1
@@ -121,14 +120,10 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
 
 def convert_gguf(gguf_path: Path, target: Path, show_progress: bool = True) -> Path:
     """Convert once; return the finished directory (an existing complete one is reused)."""
-    from gguf import GGUFReader
 
-    if is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_partials(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".partial-{target.name}-{os.getpid()}-", dir=target.parent))
-    try:
+    def build(tmp: Path) -> None:
+        from gguf import GGUFReader
+
         reader = GGUFReader(str(gguf_path))
         config = gguf_config(reader)
         with _progress(show_progress, f"converting {gguf_path.name}") as progress:
@@ -138,28 +133,8 @@ def convert_gguf(gguf_path: Path, target: Path, show_progress: bool = True) -> P
         (tmp / COMPLETE_MARKER).write_text(
             json.dumps({"source": str(gguf_path), "converter_version": CONVERTER_VERSION})
         )
-        if target.exists() and not is_complete(target):
-            shutil.rmtree(target)  # not ours to trust: it lacks the completion marker
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished the same conversion first; keep its copy.
-            if not is_complete(target):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
-
-def _remove_abandoned_partials(target: Path) -> None:
-    import psutil
-
-    for path in target.parent.glob(f".partial-{target.name}-*"):
-        pid = path.name[len(f".partial-{target.name}-") :].split("-")[0]
-        if not pid.isdigit() or not psutil.pid_exists(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+    return build_atomically(target, build, is_complete)
 
 
 class _progress:
