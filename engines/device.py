@@ -9,7 +9,6 @@ import psutil
 
 from .generation import MemoryMeter
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 MPS_FALLBACK_ENV = "PYTORCH_ENABLE_MPS_FALLBACK"
 
 log = logging.getLogger("duet.engines.device")
@@ -119,8 +118,8 @@ class CudaMeter(MemoryMeter):
 
 class MPSMeter(MemoryMeter):
     """MPS has no peak counter: sample the allocator each step. Tensors only
-    (current_allocated_memory), like CUDA's max_memory_allocated; driver_allocated_memory also
-    counts Metal's cached blocks and is reported apart."""
+    (current_allocated_memory), like CUDA's max_memory_allocated; driver_allocated_memory would
+    also count Metal's cached blocks."""
 
     def __init__(self) -> None:
         self._peak = 0
@@ -138,12 +137,6 @@ class MPSMeter(MemoryMeter):
     def peak_bytes(self) -> int:
         self.sample()
         return self._peak
-
-    @staticmethod
-    def driver_bytes() -> int:
-        import torch
-
-        return int(torch.mps.driver_allocated_memory())
 
 
 def memory_meter(device: str) -> MemoryMeter:

@@ -51,11 +51,6 @@ class ChatTokenizer:
             out = out["input_ids"]
         return [int(t) for t in out]
 
-    def chat_prompt_text(self, messages: Sequence[dict]) -> str:
-        return self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
-
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 

@@ -36,5 +36,4 @@ class Settings(BaseSettings):
         False, description="Set PYTORCH_ENABLE_MPS_FALLBACK=1: run ops MPS lacks on the CPU"
     )
     preload: bool = Field(True, description="Load the start-up model before accepting requests")
-    max_prompt_chars: int = Field(1_000_000, ge=1, description="Longest prompt text accepted")
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -81,7 +81,7 @@ class StaticRunner:
         last = torch.tensor([n - 1], device=self.device)
         logits = self._prefill_fn(tokens, positions, last)
         self._pos.fill_(n)
-        return logits.clone()
+        return logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
