@@ -93,7 +93,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, d, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, pos, mask):
+    def forward(self, x, cos, sin, pos, mask, kv_len=None):
         b, t, _ = x.shape
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate Q and K together: half the small ops of rotating each.
@@ -111,6 +111,8 @@ class Attention(nn.Module):
                 )
         else:
             k, v = self.kv_cache.write_at(pos, k, v)
+            if kv_len is not None:  # attend over a bucket of the cache, not all of it
+                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
             out = self._grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -167,8 +169,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, pos, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask)
+    def forward(self, x, cos, sin, pos, mask, kv_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -224,11 +226,12 @@ class Transformer(nn.Module):
             mask &= k_pos > q_pos - window
         return mask
 
-    def _static_mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+    def _static_mask(self, input_pos: torch.Tensor, kv_len: int | None) -> torch.Tensor:
         q_pos = input_pos[:, None]
-        mask = self.cache_pos[None, :] <= q_pos
+        k_pos = self.cache_pos[None, :kv_len]
+        mask = k_pos <= q_pos
         if self.args.sliding_window is not None:
-            mask &= self.cache_pos[None, :] > q_pos - self.args.sliding_window
+            mask &= k_pos > q_pos - self.args.sliding_window
         return mask
 
     def forward(
@@ -237,10 +240,12 @@ class Transformer(nn.Module):
         pos: int | torch.Tensor,
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,
+        kv_len: int | None = None,
     ):
         """Logits for tokens [1, T]. `pos` is the first position (int, eager prefix path) or
         every token's position (Tensor [T], static path). `last_only` or `logits_at` (indices
-        into T) limit the vocabulary projection to the rows needed."""
+        into T) limit the vocabulary projection to the rows needed. `kv_len` (static path)
+        bounds attention to the first kv_len cache slots; every position must be below it."""
         t = tokens.shape[1]
         if isinstance(pos, int):
             if pos + t > self.max_len:
@@ -249,10 +254,10 @@ class Transformer(nn.Module):
             mask = self._prefix_mask(pos, t, tokens.device)
         else:
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-            mask = self._static_mask(pos)
+            mask = self._static_mask(pos, kv_len)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, pos, mask)
+            x = layer(x, cos, sin, pos, mask, kv_len)
         if last_only:
             x = x[:, -1:]
         elif logits_at is not None:

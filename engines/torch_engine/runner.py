@@ -14,6 +14,7 @@ from .model import Transformer
 log = logging.getLogger("duet.engines.torch")
 
 MIN_BUCKET = 16
+MIN_DECODE_BUCKET = 256
 
 
 def prefill_bucket(n: int, max_len: int) -> int:
@@ -22,6 +23,19 @@ def prefill_bucket(n: int, max_len: int) -> int:
     while bucket < n:
         bucket *= 2
     return min(bucket, max_len)
+
+
+def decode_bucket(n: int, max_len: int) -> int:
+    """How many cache slots a decode step attends over when n are filled: a power of two, so
+    a short conversation does not pay for reading (and masking) the whole context's cache."""
+    return prefill_bucket(max(n, MIN_DECODE_BUCKET), max_len)
+
+
+def decode_buckets(max_len: int) -> list[int]:
+    buckets = [decode_bucket(1, max_len)]
+    while buckets[-1] < max_len:
+        buckets.append(decode_bucket(buckets[-1] + 1, max_len))
+    return buckets
 
 
 class EagerRunner:
@@ -58,16 +72,17 @@ class StaticRunner:
         self._pos = torch.zeros(1, dtype=torch.long, device=device)
         decode, prefill = self._decode_impl, self._prefill_impl
         if compile:
-            cuda = device.startswith("cuda")
-            decode = torch.compile(decode, mode="reduce-overhead" if cuda else None, fullgraph=True)
+            # dynamic: one compiled graph serves every decode bucket and prefill length.
+            decode = torch.compile(decode, dynamic=True, fullgraph=True)
             prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
         self._decode_fn, self._prefill_fn = decode, prefill
 
-    def _decode_impl(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.model(token, pos)[0, -1]
+    def _decode_impl(self, token: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        return self.model(token, pos, kv_len=kv_len)[0, -1]
 
     def _prefill_impl(self, tokens, positions, last) -> torch.Tensor:
-        return self.model(tokens, positions, logits_at=last)[0, -1]
+        # Prefill starts at slot 0, so nothing past the padded prompt is ever attended to.
+        return self.model(tokens, positions, logits_at=last, kv_len=tokens.shape[1])[0, -1]
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -85,8 +100,9 @@ class StaticRunner:
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        # `pos` is tracked on the device; the argument keeps the eager runner's signature.
-        logits = self._decode_fn(token.view(1, 1), self._pos)
+        # The position lives on the device; the host's copy only picks the attention bucket.
+        kv_len = decode_bucket(pos + 1, self.model.max_len)
+        logits = self._decode_fn(token.view(1, 1), self._pos, kv_len)
         self._pos.add_(1)
         return logits
 
@@ -96,52 +112,70 @@ class StaticRunner:
         for n in (MIN_BUCKET, min(max_prompt, self.model.max_len - 4)):
             logits = self.prefill([1] * n)
             token = torch.argmax(logits).view(1)
-            for _ in range(3):  # CUDA graph trees record on the second or third call
-                token = torch.argmax(self.decode(token, 0)).view(1)
+            for pos in range(n, n + 3):
+                token = torch.argmax(self.decode(token, pos)).view(1)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         log.info("compiled decode and prefill in %.1fs", time.perf_counter() - started)
 
 
 class CudaGraphRunner(StaticRunner):
-    """CUDA: the compiled decode step captured once as a CUDA graph, replayed per token.
+    """CUDA: the compiled decode step captured as CUDA graphs, one per attention bucket,
+    replayed per token.
 
     Capturing by hand (instead of mode="reduce-overhead") keeps the per-token host work to a
-    replay: no guard checks or input bookkeeping over every weight. The graph reads the token
-    from a fixed buffer and advances the on-device position itself."""
+    replay: no guard checks or input bookkeeping over every weight. Each graph reads the token
+    from a fixed buffer and advances the on-device position itself; the graphs share one
+    memory pool, since only one runs at a time."""
 
     def __init__(self, model: Transformer, device: str):
         super().__init__(model, device, compile=False)
         self.compiled = True
         self._prefill_fn = torch.compile(self._prefill_impl, dynamic=True, fullgraph=True)
-        self._step = torch.compile(self._decode_impl, fullgraph=True)
+        self._step = torch.compile(self._decode_impl, dynamic=True, fullgraph=True)
         self._token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._logits: torch.Tensor | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
 
-    def _step_and_advance(self) -> torch.Tensor:
-        logits = self._step(self._token, self._pos)
+    def _step_and_advance(self, kv_len: int) -> torch.Tensor:
+        logits = self._step(self._token, self._pos, kv_len)
         self._pos.add_(1)
         return logits
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         saved = self._pos.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):  # compile and let the allocator settle outside the capture
-                self._step_and_advance()
+                self._step_and_advance(kv_len)
         torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._logits = self._step_and_advance()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step_and_advance(kv_len)
+        self._pool = graph.pool()
         self._pos.copy_(saved)
+        self._graphs[kv_len] = (graph, logits)
+        return graph, logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        if self._graph is None:
-            self._capture()
+        kv_len = decode_bucket(pos + 1, self.model.max_len)
+        graph, logits = self._graphs.get(kv_len) or self._capture(kv_len)
         self._token.copy_(token.view(1, 1))
-        self._graph.replay()
-        return self._logits
+        graph.replay()
+        return logits
+
+    def warm_up(self, max_prompt: int = 1024) -> None:
+        started = time.perf_counter()
+        super().warm_up(max_prompt)
+        # Capture every bucket now: a conversation crossing a bucket must not stall on it.
+        for kv_len in decode_buckets(self.model.max_len):
+            if kv_len not in self._graphs:
+                self._capture(kv_len)
+        torch.cuda.synchronize()
+        log.info(
+            "captured %d decode graphs (attention buckets %s) in %.1fs",
+            len(self._graphs), sorted(self._graphs), time.perf_counter() - started,
+        )
