@@ -26,6 +26,8 @@ def main() -> int:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--no-flex", action="store_true", help="decode attention as plain reductions")
+    p.add_argument("--no-tune", action="store_true", help="no coordinate-descent tuning")
     args = p.parse_args()
 
     import torch
@@ -36,8 +38,11 @@ def main() -> int:
     from engines.torch_engine import TorchEngine
 
     path = write_dummy_model(args.model, Path.home() / ".cache/duet/dummy" / args.model)
-    engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda")
-    runner = engine.runner
+    from engines.torch_engine.runner import CudaGraphRunner
+
+    engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda", compile="off")
+    runner = engine.runner = CudaGraphRunner(engine.model, "cuda", not args.no_flex, not args.no_tune)
+    runner.warm_up()
     bw = core.copy_bandwidth("cuda")
     floor_ms = core.weight_bytes(path, "bfloat16", "cuda") / bw * 1000
     runner.prefill(list(range(3, 131)))
