@@ -285,6 +285,38 @@ def run_system(system, model_dir: Path, dtype: str, context: int, prompt_lens: l
     return results
 
 
+def run_interleaved(systems, model_dir: Path, dtype: str, context: int, prompt_lens: list[int],
+                    new_tokens: int, repeats: int, vocab: int, log=print) -> list[Result]:
+    """Every system loaded at once and their runs taken in turn, so slow drifts of the
+    machine (clocks, host load) fall on all of them alike: for noisy, host-bound pairs."""
+    results = {s.name: [Result(s.name, n, new_tokens) for n in prompt_lens] for s in systems}
+    live = []
+    for system in systems:
+        try:
+            started = time.perf_counter()
+            system.setup(model_dir, dtype, context)
+            for res in results[system.name]:
+                system.run(_prompt(res.prompt_tokens, vocab), new_tokens)
+            log(f"{system.name}: set up and warmed up in {time.perf_counter() - started:.1f}s")
+            live.append(system)
+        except Exception as exc:
+            log(f"{system.name}: failed: {type(exc).__name__}: {exc}")
+            for res in results[system.name]:
+                res.error = f"{type(exc).__name__}: {exc}"
+    try:
+        for i, n in enumerate(prompt_lens):
+            for _ in range(repeats):
+                for system in live:
+                    results[system.name][i].runs.append(system.run(_prompt(n, vocab), new_tokens))
+    finally:
+        for system in systems:
+            try:
+                system.teardown()
+            except Exception:
+                pass
+    return [r for s in systems for r in results[s.name]]
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 

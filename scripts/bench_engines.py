@@ -119,7 +119,8 @@ def markdown(meta, rows, ratio_map, check) -> str:
         f"Copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s (read + write); weights "
         f"{meta['weight_bytes'] / 2**30:.2f} GiB, so the decode floor is "
         f"{meta['floor_tokens_per_s']:.0f} tok/s. KV cache for the {meta['context']}-token "
-        f"context: {meta['kv_cache_bytes'] / 2**20:.0f} MiB. Medians of {meta['repeats']} runs, "
+        f"context: {meta['kv_cache_bytes'] / 2**20:.0f} MiB. Medians of {meta['repeats']} runs"
+        f"{' (systems loaded together, runs taken in turn)' if meta.get('interleaved') else ''}, "
         f"{meta['new_tokens']} new tokens, end-of-sequence ignored, greedy, batch 1.",
         "",
         "| " + " | ".join(HEADER) + " |",
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--compile", default="auto", help="duet-torch: auto, on or off")
     p.add_argument("--check", action="store_true", help="compare compiled and eager greedy tokens")
+    p.add_argument("--interleave", action="store_true",
+                   help="load every system at once and take their runs in turn (noisy hosts)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "duet")
     p.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "bench")
     p.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -176,14 +179,19 @@ def main(argv=None) -> int:
     print(f"device {core.device_name(device)}: copy {bandwidth / 1e9:.0f} GB/s; weights "
           f"{wbytes / 2**30:.2f} GiB; floor {floor_tps:.0f} tok/s", flush=True)
 
-    results = []
+    systems = []
     for name in args.systems.split(","):
         if name == "duet-torch":
-            system = core.DuetTorch(device, args.compile)
+            systems.append(core.DuetTorch(device, args.compile))
         elif name in ("hf-dynamic", "hf-static-compile"):
-            system = core.SYSTEMS[name](device)
+            systems.append(core.SYSTEMS[name](device))
         else:
-            system = core.SYSTEMS[name]()
+            systems.append(core.SYSTEMS[name]())
+    results = []
+    if args.interleave:
+        results = core.run_interleaved(systems, path, dtype, args.context, prompt_lens,
+                                       args.new_tokens, args.repeats, vocab)
+    for system in systems if not args.interleave else ():
         results += core.run_system(system, path, dtype, args.context, prompt_lens,
                                    args.new_tokens, args.repeats, vocab)
         print_table(table_rows(results, floor_tps), f"{args.model} so far")
@@ -194,7 +202,7 @@ def main(argv=None) -> int:
         "dtype": dtype, "date": dt.date.today().isoformat(), "versions": core.versions(),
         "copy_bandwidth_GBps": bandwidth / 1e9, "weight_bytes": wbytes,
         "floor_tokens_per_s": floor_tps, "context": args.context, "repeats": args.repeats,
-        "new_tokens": args.new_tokens,
+        "new_tokens": args.new_tokens, "interleaved": args.interleave,
         "kv_cache_bytes": core.kv_cache_bytes(path, dtype, device, args.context),
         "command": "python scripts/bench_engines.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -26,7 +26,6 @@ def main() -> int:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--no-flex", action="store_true", help="decode attention as plain reductions")
     p.add_argument("--no-tune", action="store_true", help="no coordinate-descent tuning")
     args = p.parse_args()
 
@@ -41,7 +40,7 @@ def main() -> int:
     from engines.torch_engine.runner import CudaGraphRunner
 
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda", compile="off")
-    runner = engine.runner = CudaGraphRunner(engine.model, "cuda", not args.no_flex, not args.no_tune)
+    runner = engine.runner = CudaGraphRunner(engine.model, "cuda", tune=not args.no_tune)
     runner.warm_up()
     bw = core.copy_bandwidth("cuda")
     floor_ms = core.weight_bytes(path, "bfloat16", "cuda") / bw * 1000

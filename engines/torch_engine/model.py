@@ -92,8 +92,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, d, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
-        self.sliding_window = args.sliding_window
-        self.flex_decode = False  # set by runners whose compiler has FlexAttention kernels
 
     def forward(self, x, cos, sin, pos, mask, kv_len=None):
         b, t, _ = x.shape
@@ -115,10 +113,7 @@ class Attention(nn.Module):
             k, v = self.kv_cache.write_at(pos, k, v)
             if kv_len is not None:  # attend over a bucket of the cache, not all of it
                 k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            if t == 1 and self.flex_decode:
-                out = self._flex_decode_attention(q, k, v, pos)
-            else:
-                out = self._grouped_attention(q, k, v, mask)
+            out = self._grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _one_query_attention(self, q, k, v):
@@ -152,23 +147,6 @@ class Attention(nn.Module):
         probs = torch.softmax(scores, dim=-1)
         out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kv, rep, d]
         return out.to(v.dtype).reshape(b, self.n_heads, 1, d)
-
-
-    def _flex_decode_attention(self, q, k, v, input_pos):
-        """One query through FlexAttention, which compiles to a split-KV (flash-decoding)
-        kernel: the cache bucket is read in parallel chunks, with GQA and the position mask
-        applied in the kernel. The position is read on the device, so the step replays as is."""
-        from torch.nn.attention.flex_attention import flex_attention
-
-        window = self.sliding_window
-
-        def visible(score, b, h, q_idx, kv_idx):
-            seen = kv_idx <= input_pos[0]
-            if window is not None:
-                seen = seen & (kv_idx > input_pos[0] - window)
-            return torch.where(seen, score, float("-inf"))
-
-        return flex_attention(q, k, v, score_mod=visible, enable_gqa=self.n_kv != self.n_heads)
 
 
 class MLP(nn.Module):
@@ -231,10 +209,6 @@ class Transformer(nn.Module):
             "cache_pos", torch.arange(max_len, device=p.device), persistent=False
         )
         self.max_len = max_len
-
-    def use_flex_decode(self, on: bool = True) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.flex_decode = on
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -128,10 +128,9 @@ class CudaGraphRunner(StaticRunner):
     from a fixed buffer and advances the on-device position itself; the graphs share one
     memory pool, since only one runs at a time."""
 
-    def __init__(self, model: Transformer, device: str, flex_decode: bool = True, tune: bool = True):
+    def __init__(self, model: Transformer, device: str, tune: bool = True):
         super().__init__(model, device, compile=False)
         self.compiled = True
-        model.use_flex_decode(flex_decode)
         # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
         # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an
         # H200: 1.34 -> 1.16 ms a step for llama-3.2-1b).
