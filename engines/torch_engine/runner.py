@@ -128,15 +128,20 @@ class CudaGraphRunner(StaticRunner):
     from a fixed buffer and advances the on-device position itself; the graphs share one
     memory pool, since only one runs at a time."""
 
-    def __init__(self, model: Transformer, device: str, tune: bool = True):
+    def __init__(self, model: Transformer, device: str, tune: bool = True, matmul_decode: bool = False):
         super().__init__(model, device, compile=False)
         self.compiled = True
-        # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
-        # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an
-        # H200: 1.34 -> 1.16 ms a step for llama-3.2-1b).
-        options = {"coordinate_descent_tuning": tune}
+        model.use_matmul_decode(matmul_decode)
+        if tune:
+            # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
+            # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an
+            # H200: 1.34 -> 1.16 ms a step for llama-3.2-1b). Set globally, as gpt-fast does:
+            # the tuning runs when a kernel first launches, after compile-time options lapse.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.coordinate_descent_tuning = True
         self._prefill_fn = torch.compile(self._prefill_impl, dynamic=True, fullgraph=True)
-        self._step = torch.compile(self._decode_impl, dynamic=True, fullgraph=True, options=options)
+        self._step = torch.compile(self._decode_impl, dynamic=True, fullgraph=True)
         self._token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
