@@ -27,7 +27,6 @@ def main() -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--no-tune", action="store_true", help="no coordinate-descent tuning")
-    p.add_argument("--matmul", action="store_true", help="decode attention as batched matmuls")
     args = p.parse_args()
 
     import torch
@@ -41,7 +40,7 @@ def main() -> int:
     from engines.torch_engine.runner import CudaGraphRunner
 
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda", compile="off")
-    runner = engine.runner = CudaGraphRunner(engine.model, "cuda", tune=not args.no_tune, matmul_decode=args.matmul)
+    runner = engine.runner = CudaGraphRunner(engine.model, "cuda", tune=not args.no_tune)
     runner.warm_up()
     bw = core.copy_bandwidth("cuda")
     floor_ms = core.weight_bytes(path, "bfloat16", "cuda") / bw * 1000

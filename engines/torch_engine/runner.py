@@ -128,10 +128,9 @@ class CudaGraphRunner(StaticRunner):
     from a fixed buffer and advances the on-device position itself; the graphs share one
     memory pool, since only one runs at a time."""
 
-    def __init__(self, model: Transformer, device: str, tune: bool = True, matmul_decode: bool = False):
+    def __init__(self, model: Transformer, device: str, tune: bool = True):
         super().__init__(model, device, compile=False)
         self.compiled = True
-        model.use_matmul_decode(matmul_decode)
         if tune:
             # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
             # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an
