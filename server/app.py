@@ -47,7 +47,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
             log.info("loading %s on the %s engine", startup_model, engine)
             await registry.worker(startup_model, engine)
         yield
-        registry.close()
+        await registry.aclose()
 
     app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings

@@ -124,6 +124,14 @@ class ModelRegistry:
         """(model id, engine name, worker) of every loaded engine."""
         return [(m, e, w) for (m, e), w in list(self._workers.items()) if w.loaded]
 
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Close every engine once its current decode step is done (at shutdown, cancelled
+        generations stop there), waiting at most timeout_s for each."""
+        workers, self._workers = list(self._workers.items()), {}
+        for (model, engine), worker in workers:
+            if not await worker.aclose(timeout_s):
+                log.warning("the %s engine of %s did not stop within %g s", engine, model, timeout_s)
+
     def close(self) -> None:
         for worker in self._workers.values():
             worker.close()

@@ -101,6 +101,20 @@ class EngineWorker:
             self.pending -= 1
             self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - started)
 
+    async def aclose(self, timeout_s: float) -> bool:
+        """Close the engine after its current step (a cancelled generation stops there), waiting
+        at most timeout_s. Returns whether it closed in time."""
+        engine, self.engine = self.engine, None
+        closed = True
+        if engine is not None:
+            done = asyncio.get_running_loop().run_in_executor(self._executor, engine.close)
+            try:
+                await asyncio.wait_for(done, timeout_s)
+            except TimeoutError:
+                closed = False
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return closed
+
     def close(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:
