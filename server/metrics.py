@@ -13,6 +13,7 @@ import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import RequestStats
@@ -125,7 +126,22 @@ class RequestMetricsMiddleware:
             status = "500"
             raise
         finally:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
+            endpoint = _endpoint(scope)
             self.metrics.requests.labels(endpoint, scope["method"], status).inc()
             self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _endpoint(scope: Scope) -> str:
+    """The route template of a request, also for one refused before routing (401, 413): then
+    it is looked up among the paths of the app's OpenAPI schema."""
+    route = scope.get("route")
+    if getattr(route, "path", None):
+        return route.path
+    app = scope.get("app")
+    if app is None:
+        return "unmatched"
+    templates = getattr(app.state, "path_templates", None)
+    if templates is None:
+        templates = [(compile_path(p)[0], p) for p in app.openapi().get("paths", {})]
+        app.state.path_templates = templates
+    return next((p for regex, p in templates if regex.match(scope["path"])), "unmatched")
