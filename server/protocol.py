@@ -91,7 +91,6 @@ class GenerationFields(BaseModel):
         "logit_bias": lambda v: v == {},
         "frequency_penalty": lambda v: v == 0,
         "presence_penalty": lambda v: v == 0,
-        "best_of": lambda v: v == 1,
     }
 
     @field_validator("stop")
@@ -157,7 +156,9 @@ class CompletionRequest(GenerationFields):
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         **GenerationFields.UNSUPPORTED,
+        "best_of": lambda v: v == 1,
         "suffix": lambda v: v == "",
+        "echo": lambda v: v is False,
     }
 
     @field_validator("prompt")
@@ -171,10 +172,3 @@ class CompletionRequest(GenerationFields):
                     raise ValueError("only one prompt per request is supported")
                 return p[0]
         return p
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
