@@ -18,7 +18,7 @@ TOPICS = ["France", "Japan", "the Moon", "rain", "cats", "bread", "music", "wint
 
 def ask(topic: str) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": f"Say one fact about {topic}."}],
-            "temperature": 0, "max_tokens": 8, "extra_body": {"engine": "torch"}}
+            "temperature": 0, "max_tokens": 6, "extra_body": {"engine": "torch"}}
 
 
 def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers():
