@@ -18,7 +18,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,7 +153,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 async def soak(url: str, pid: int, clients: int, minutes: float, max_tokens: int) -> dict:
@@ -180,7 +179,8 @@ async def soak(url: str, pid: int, clients: int, minutes: float, max_tokens: int
     elapsed = time.monotonic() - started
     await asyncio.sleep(1)  # let cancelled generations reach their next step
     rss_end = process.memory_info().rss
-    health = httpx.get(url + "/health", timeout=10).status_code
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        health = (await client.get("/health")).status_code
     served_all = [x for kind in ("plain", "stream") for x in stats.latency[kind]]
     return {
         "date": dt.date.today().isoformat(),
@@ -208,8 +208,9 @@ def report_md(r: dict) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"
     lines = [
         "# Soak test", "",
-        f"`scripts/soak.py`, {r['date']}, {r['machine']}; model {r['model']} on the torch engine, "
-        f"{r['clients']} concurrent clients for {r['minutes']} min, max_tokens {r['max_tokens']}.",
+        (f"`scripts/soak.py`, {r['date']}, {r['machine']}; model {r['model']} on the torch "
+         f"engine, {r['clients']} concurrent clients for {r['minutes']} min, "
+         f"max_tokens {r['max_tokens']}."),
         "", "| | |", "|---|---|",
         f"| requests | {r['requests']} ({r['throughput_rps']} answered per second) |",
         f"| served by kind | {', '.join(f'{k} {v}' for k, v in sorted(r['served'].items()))} |",
@@ -221,11 +222,11 @@ def report_md(r: dict) -> str:
     ]
     for kind, v in sorted(r["latency_s"].items()):
         lines.append(f"| {kind} | {v['n']} | {v['p50']} | {v['p99']} |")
-    lines += ["", "Kinds: `plain` and `stream` are ordinary chat requests (latency includes the "
+    lines += ["", ("Kinds: `plain` and `stream` are ordinary chat requests (latency includes the "
               "wait behind other clients on the one engine); `cancelled` leaves a stream after its "
               "first chunks or gives up on a plain request after 0.2 to 1 s; `malformed` sends bad "
               "JSON, a bad field, an unknown model, `n=2`, `tools` or a body over 1 MiB and must "
-              "get the right status in the OpenAI error shape. Raw figures: `docs/soak.json`.", ""]
+              "get the right status in the OpenAI error shape. Raw figures: `docs/soak.json`."), ""]
     return "\n".join(lines)
 
 

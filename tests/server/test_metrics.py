@@ -51,7 +51,7 @@ def test_requests_tokens_and_speed_are_counted(client):
 def test_each_app_has_its_own_registry(make_client):
     with make_client() as a, make_client() as b:
         a.post("/v1/chat/completions", json=CHAT)
-        chat = dict(endpoint="/v1/chat/completions", method="POST", status="200")
+        chat = {"endpoint": "/v1/chat/completions", "method": "POST", "status": "200"}
         assert value(scrape(a), "duet_requests_total", **chat) == 1
         assert value(scrape(b), "duet_requests_total", **chat) == 0
 
