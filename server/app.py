@@ -7,11 +7,15 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from engines.config import load_models_file
 
+from .auth import APIKeyMiddleware
 from .errors import install_error_handlers
+from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
+from .request_guard import RequestGuard
 from .routes import router
 from .service import GenerationService
 from .settings import Settings
@@ -22,6 +26,7 @@ log = logging.getLogger("duet.server")
 def create_app(settings: Settings | None = None, factory: EngineFactory | None = None) -> FastAPI:
     settings = settings or Settings()
     specs = load_models_file(settings.models_file)  # a bad registry stops start-up here
+    api_keys = settings.accepted_api_keys()  # so does an unreadable key file
     startup_model = default_model_id(specs, settings.model)
     override = {startup_model: settings.engine} if settings.engine else {}
     if factory is None:
@@ -29,7 +34,11 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
             device=settings.device, compile=settings.compile,
             mps_memory_fraction=settings.mps_memory_fraction,
         )
-    registry = ModelRegistry(specs, factory, override)
+    registry = ModelRegistry(
+        specs, factory, override,
+        max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
+    )
+    metrics = ServerMetrics(registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -38,14 +47,26 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
             log.info("loading %s on the %s engine", startup_model, engine)
             await registry.worker(startup_model, engine)
         yield
-        registry.close()
+        await registry.aclose()
 
     app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.registry = registry
-    app.state.service = GenerationService(registry)
+    app.state.metrics = metrics
+    app.state.service = GenerationService(registry, observer=metrics)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
     install_error_handlers(app)
     app.include_router(router)
+    # The last added runs first: CORS answers preflights before the key is asked for, every
+    # request is counted (a 401 too), and only a caller with the key gets its body read.
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=api_keys)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app

@@ -8,12 +8,25 @@ import os
 import sys
 
 
-def _serve(args: argparse.Namespace) -> int:
+def run_server(app, settings) -> None:
+    """uvicorn with duet's shutdown: on SIGTERM or Ctrl-C, in-flight requests get
+    settings.shutdown_timeout_s to finish; then they are cancelled, which stops their engines
+    at the next decode step, and the process exits."""
     import uvicorn
+
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
 
     from engines.config import ConfigError
 
     from .app import create_app
+    from .auth import exposure_warning
     from .settings import Settings
 
     overrides = {
@@ -21,11 +34,19 @@ def _serve(args: argparse.Namespace) -> int:
             "host": args.host, "port": args.port, "models_file": args.config,
             "model": args.model, "engine": args.engine, "device": args.device,
             "compile": args.compile, "mps_memory_fraction": args.mps_memory_fraction,
+            "api_keys": args.api_key, "api_key_file": args.api_key_file,
+            "cors_origins": args.cors_origin, "max_body_bytes": args.max_body_bytes,
+            "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
+            "shutdown_timeout_s": args.shutdown_timeout,
         }.items() if v is not None
     }
     if args.mps_fallback:
         overrides["mps_fallback"] = True
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"duet: {exc}", file=sys.stderr)
+        return 2
     if settings.mps_fallback:
         # torch reads this when it is first imported, which happens only when an engine loads.
         os.environ["PYTORCH_ENABLE_MPS_FALLBACK"] = "1"
@@ -34,10 +55,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         app = create_app(settings)
+        warning = exposure_warning(settings.host, bool(settings.accepted_api_keys()))
     except (ConfigError, ValueError) as exc:
         print(f"duet: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    run_server(app, settings)
     return 0
 
 
@@ -76,6 +100,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="torch engine on MPS: cap memory (torch.mps.set_per_process_memory_fraction)")
     serve.add_argument("--mps-fallback", action="store_true",
                        help="run ops without an MPS kernel on the CPU (PYTORCH_ENABLE_MPS_FALLBACK=1)")
+    serve.add_argument("--api-key", action="append", metavar="KEY",
+                       help="accept this Bearer key (repeatable; also DUET_API_KEY, DUET_API_KEYS)")
+    serve.add_argument("--api-key-file", metavar="FILE",
+                       help="accept the keys in FILE, one per line")
+    serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                       help="allow this browser origin (repeatable; '*' for any; default: CORS off)")
+    serve.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
+    serve.add_argument("--max-queue", type=int,
+                       help="requests that may wait per engine (default 32); more get 429")
+    serve.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                       help="time limit of one generation, queueing included (default 600)")
+    serve.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                       help="on SIGTERM, time in-flight requests get to finish (default 10)")
     prepare = sub.add_parser("prepare", help="convert a model into the cache and print its path")
     prepare.add_argument("--config", help="model registry file")
     prepare.add_argument("--model", help="model id (default: the first one)")

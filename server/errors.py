@@ -58,6 +58,24 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def queue_full(label: str, waiting: int, retry_after_s: int) -> APIError:
+    return APIError(
+        429,
+        f"the {label} engine is busy: {waiting} requests are already waiting (the limit is "
+        f"DUET_MAX_QUEUE); retry in {retry_after_s} s",
+        type="rate_limit_error", code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def request_timed_out(limit_s: float) -> APIError:
+    return APIError(
+        504, f"the request took longer than the server's time limit of {limit_s:g} s "
+        "(DUET_REQUEST_TIMEOUT_S), queueing included, and was stopped",
+        type="timeout_error", code="request_timeout",
+    )
+
+
 def from_engine_error(exc: EngineError, prompt_param: str = "messages") -> APIError:
     if isinstance(exc, ContextLengthExceeded):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
@@ -87,20 +105,25 @@ def _param_from_loc(loc: tuple) -> str | None:
     return out or None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+# Validation error types raised by our own validators that become the error's code.
+_OWN_CODES = {"unsupported_parameter"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     errors = exc.errors()
     if not errors:
-        return "Invalid request", None
+        return "Invalid request", None, "invalid_value"
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON", None
-    param = _param_from_loc(tuple(first.get("loc", ())))
+        return "The request body is not valid JSON", None, "invalid_value"
+    code = first["type"] if first.get("type") in _OWN_CODES else "invalid_value"
+    param = _param_from_loc(tuple(first.get("loc", ()))) or (first.get("ctx") or {}).get("name")
     msg = first.get("msg", "Invalid value")
-    if param:
+    if param and code == "invalid_value":  # our own messages name the field already
         msg = f"{param}: {msg}"
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return msg, param
+    return msg, param, code
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -110,8 +133,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return APIError(400, message, param=param, code="invalid_value").response()
+        message, param, code = _validation_message(exc)
+        return APIError(400, message, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

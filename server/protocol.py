@@ -1,18 +1,24 @@
 """The OpenAI request bodies duet accepts, validated once at the HTTP edge.
 
 Unknown fields are ignored, as OpenAI clients send many optional ones; every field duet does
-read is checked here, and each request turns itself into engine SamplingParams.
+read is checked here, and each request turns itself into engine SamplingParams. OpenAI fields
+that would change the answer but that duet does not implement are refused by name (400,
+code unsupported_parameter) unless they hold their neutral value, never silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engines.base import SamplingParams
 
 MAX_STOP = 4
+MAX_MESSAGES = 2048  # OpenAI's own limit on the messages array
+SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 or uint64, folded into uint64 for the engines
 EngineChoice = Literal["auto", "torch", "mlx"]
 
 
@@ -54,7 +60,7 @@ class GenerationFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="duet extension: keep the k most likely tokens")
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     stream: bool = False
@@ -62,6 +68,30 @@ class GenerationFields(BaseModel):
     engine: EngineChoice | None = Field(
         None, description="duet extension: the engine that serves this request"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, neutral in cls.UNSUPPORTED.items():
+                value = data.get(name)
+                if value is not None and not neutral(value):
+                    raise PydanticCustomError(
+                        "unsupported_parameter",
+                        "'{name}' is not supported by duet (leave it out or send its default)",
+                        {"name": name},
+                    )
+        return data
+
+    # field -> "this value asks for nothing duet lacks". Checked before validation so that the
+    # error names the field whatever its type.
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "logprobs": lambda v: v is False or v == 0,
+        "top_logprobs": lambda v: v == 0,
+        "logit_bias": lambda v: v == {},
+        "frequency_penalty": lambda v: v == 0,
+        "presence_penalty": lambda v: v == 0,
+    }
 
     @field_validator("stop")
     @classmethod
@@ -86,14 +116,32 @@ class GenerationFields(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % 2**64,
             stop=tuple(self.stop or ()),
         )
 
 
+def _no_tools(value: Any) -> bool:
+    return value == []
+
+
 class ChatCompletionRequest(GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        **GenerationFields.UNSUPPORTED,
+        "tools": _no_tools,
+        "functions": _no_tools,
+        "tool_choice": lambda v: v in ("none", "auto"),
+        "function_call": lambda v: v in ("none", "auto"),
+        "response_format": lambda v: v == {"type": "text"},
+        "audio": lambda v: False,
+        "modalities": lambda v: v == ["text"],
+        "prediction": lambda v: False,
+        "web_search_options": lambda v: False,
+        "reasoning_effort": lambda v: False,
+    }
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -106,6 +154,13 @@ class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
 
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        **GenerationFields.UNSUPPORTED,
+        "best_of": lambda v: v == 1,
+        "suffix": lambda v: v == "",
+        "echo": lambda v: v is False,
+    }
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, p: str | list[str] | list[int]):
@@ -117,10 +172,3 @@ class CompletionRequest(GenerationFields):
                     raise ValueError("only one prompt per request is supported")
                 return p[0]
         return p
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo

@@ -57,8 +57,12 @@ class ModelRegistry:
         specs: list[ModelSpec],
         factory: EngineFactory,
         engine_override: dict[str, str] | None = None,
+        *,
+        max_queue: int = 32,
+        request_timeout_s: float | None = None,
     ):
         self.specs = {s.id: s for s in specs}
+        self._worker_options = {"max_queue": max_queue, "timeout_s": request_timeout_s}
         self.factory = factory
         self._default_engine = {
             s.id: resolve_engine_name((engine_override or {}).get(s.id, s.engine)) for s in specs
@@ -100,7 +104,7 @@ class ModelRegistry:
                 return worker
             if not self.factory.available(name):
                 raise backend_missing(name)  # names the extra to install
-            worker = EngineWorker(f"{spec.id}-{name}")
+            worker = EngineWorker(f"{spec.id}/{name}", **self._worker_options)
             try:
                 await worker.load(lambda: self.factory.create(name, spec))
             except EngineError:
@@ -115,6 +119,18 @@ class ModelRegistry:
                 ) from exc
             self._workers[key] = worker
             return worker
+
+    def loaded_workers(self) -> list[tuple[str, str, EngineWorker]]:
+        """(model id, engine name, worker) of every loaded engine."""
+        return [(m, e, w) for (m, e), w in list(self._workers.items()) if w.loaded]
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Close every engine once its current decode step is done (at shutdown, cancelled
+        generations stop there), waiting at most timeout_s for each."""
+        workers, self._workers = list(self._workers.items()), {}
+        for (model, engine), worker in workers:
+            if not await worker.aclose(timeout_s):
+                log.warning("the %s engine of %s did not stop within %g s", engine, model, timeout_s)
 
     def close(self) -> None:
         for worker in self._workers.values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -21,9 +21,14 @@ log = logging.getLogger("duet.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class GenerationObserver(Protocol):
+    def observe_generation(self, model: str, engine: str, stats: RequestStats) -> None: ...
+
+
 class GenerationService:
-    def __init__(self, registry: ModelRegistry):
+    def __init__(self, registry: ModelRegistry, observer: GenerationObserver | None = None):
         self.registry = registry
+        self.observer = observer
 
     async def chat(self, req: ChatCompletionRequest):
         messages = req.template_messages()
@@ -71,12 +76,24 @@ class GenerationService:
         except EngineError as exc:
             raise from_engine_error(exc, prompt_param) from exc
 
-        events = worker.stream(lambda eng, should_stop: eng.generate(prompt_ids, params, should_stop))
+        events = self._observed(
+            worker.stream(lambda eng, should_stop: eng.generate(prompt_ids, params, should_stop)),
+            spec.id, engine.name,
+        )
         shape = ResponseShape(chat=chat, model=spec.id)
         if req.stream:
             return await self._stream_response(events, shape, req.include_usage, prompt_param)
         text, stats = await _collect(events, prompt_param)
         return JSONResponse(shape.full(text, stats))
+
+    async def _observed(self, events: AsyncIterator, model: str, engine: str) -> AsyncIterator:
+        try:
+            async for event in events:
+                if isinstance(event, RequestStats) and self.observer is not None:
+                    self.observer.observe_generation(model, engine, event)
+                yield event
+        finally:
+            await events.aclose()  # an early exit must reach the worker, which stops the engine
 
     @staticmethod
     def _max_tokens(req: GenerationFields, prompt_tokens: int, engine: Engine) -> int:
@@ -119,10 +136,12 @@ class GenerationService:
                     if event.text:
                         yield sse(shape.chunk(event.text, include_usage=include_usage))
                     event = await anext(events)
+            except APIError as exc:  # e.g. the time limit
+                log.warning("stream ended early: %s", exc.message)
+                yield sse(shape.error_event(exc.message, exc.type, exc.code))
             except Exception as exc:
                 log.exception("generation failed mid-stream")
-                err = exc if isinstance(exc, APIError) else None
-                yield sse(shape.error_event(err.message if err else f"generation failed: {exc}"))
+                yield sse(shape.error_event(f"generation failed: {exc}"))
             finally:
                 await events.aclose()
             yield DONE
@@ -145,4 +164,6 @@ async def _collect(events: AsyncIterator, prompt_param: str) -> tuple[str, Reque
     except Exception as exc:
         log.exception("generation failed")
         raise APIError(500, f"generation failed: {exc}", type="server_error") from exc
+    finally:
+        await events.aclose()  # frees the worker's slot now, not when garbage is collected
     raise APIError(500, "the engine ended without statistics", type="server_error")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 REPO_MODELS_FILE = Path(__file__).resolve().parent.parent / "models.toml"
 
@@ -37,3 +37,59 @@ class Settings(BaseSettings):
     )
     preload: bool = Field(True, description="Load the start-up model before accepting requests")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Hardening: who may call, how much they may send, how long they may wait.
+    api_key: str | None = Field(
+        None, description="One accepted Bearer key (DUET_API_KEY); see api_keys for several"
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted Bearer keys; DUET_API_KEYS takes them comma-separated. With none "
+        "set (here, in api_key or in api_key_file) the server is open",
+    )
+    api_key_file: Path | None = Field(
+        None, description="A file of accepted keys, one per line ('#' starts a comment)"
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Browser origins allowed by CORS (comma-separated in DUET_CORS_ORIGINS; "
+        "'*' for any); empty: CORS off",
+    )
+    max_body_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413"
+    )
+    max_queue: int = Field(
+        32, ge=0, description="Requests that may wait per engine behind the one running; "
+        "more get 429 with Retry-After",
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Time limit of one generation request, queueing included"
+    )
+    shutdown_timeout_s: float = Field(
+        10.0, ge=0, description="On SIGTERM, how long in-flight requests may finish before "
+        "they are cancelled",
+    )
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def accepted_api_keys(self) -> frozenset[str]:
+        """Every key from the setting, the single-key setting and the key file."""
+        keys = [*self.api_keys, *([self.api_key] if self.api_key else [])]
+        if self.api_key_file is not None:
+            try:
+                lines = self.api_key_file.read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(f"cannot read the API key file {self.api_key_file}: {exc}") from exc
+            from_file = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+            if not from_file:
+                raise ValueError(f"the API key file {self.api_key_file} has no key")
+            keys += from_file
+        for key in keys:
+            if not key or any(c.isspace() for c in key):
+                raise ValueError("an API key must be non-empty and contain no whitespace")
+        return frozenset(keys)

@@ -90,7 +90,8 @@ class MLXEngine(TokenLoopEngine):
         sampler = make_sampler(
             temp=max(params.temperature, 0.0),
             top_p=params.top_p if params.top_p < 1.0 else 0.0,
-            top_k=params.top_k,
+            # mlx-lm rejects a k at or above the vocabulary, which keeps every token anyway.
+            top_k=params.top_k if params.top_k < self.tokenizer.vocab_size else 0,
         )
         self._cache = make_prompt_cache(self.model)
         budget = self.context_length - len(prompt_ids) + 1

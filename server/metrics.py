@@ -1,0 +1,147 @@
+"""Prometheus metrics: one CollectorRegistry per app (never the global one), so that tests that
+build many apps never see each other's numbers.
+
+Requests are counted by a middleware (every path, every status, a 401 or 413 included);
+generations are observed through the service; queue depth and memory are read when scraped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engines.base import RequestStats
+
+# Decode speeds span a 135M model on a CPU to an 8B one on an H200.
+_TOKS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A request whose client left before any response: nginx's name for it.
+CLIENT_CLOSED = "499"
+
+
+class ServerMetrics:
+    def __init__(self, model_registry):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "duet_requests", "HTTP requests by endpoint (route template), method and status",
+            ["endpoint", "method", "status"], registry=self.registry,
+        )
+        self.request_seconds = Histogram(
+            "duet_request_duration_seconds", "Time to the end of the response, by endpoint",
+            ["endpoint"], registry=self.registry,
+        )
+        self.tokens = Counter(
+            "duet_tokens", "Tokens processed, by model, engine and kind (prompt or completion)",
+            ["model", "engine", "kind"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "duet_time_to_first_token_seconds", "Time to first token (prefill), per engine",
+            ["model", "engine"], buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.decode_speed = Histogram(
+            "duet_decode_tokens_per_second", "Decode speed of each generation, per engine",
+            ["model", "engine"], buckets=_TOKS_BUCKETS, registry=self.registry,
+        )
+        self.peak_memory = Gauge(
+            "duet_engine_peak_memory_bytes", "Peak memory of the engine's latest generation",
+            ["model", "engine"], registry=self.registry,
+        )
+        self.kv_cache = Gauge(
+            "duet_engine_kv_cache_bytes", "Bytes held by the engine's KV cache",
+            ["model", "engine"], registry=self.registry,
+        )
+        self.registry.register(_LiveCollector(model_registry))
+
+    def observe_generation(self, model: str, engine: str, stats: RequestStats) -> None:
+        self.tokens.labels(model, engine, "prompt").inc(stats.prompt_tokens)
+        self.tokens.labels(model, engine, "completion").inc(stats.completion_tokens)
+        if stats.completion_tokens:
+            self.ttft.labels(model, engine).observe(stats.ttft_s)
+        if stats.decode_tokens_per_s > 0:
+            self.decode_speed.labels(model, engine).observe(stats.decode_tokens_per_s)
+        self.peak_memory.labels(model, engine).set(stats.peak_memory_bytes)
+        self.kv_cache.labels(model, engine).set(stats.kv_cache_bytes)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LiveCollector:
+    """What is read at scrape time rather than counted: queue depth and process memory."""
+
+    def __init__(self, model_registry):
+        self.model_registry = model_registry
+        self.process = psutil.Process()
+
+    def collect(self):
+        depth = GaugeMetricFamily(
+            "duet_engine_queue_depth",
+            "Requests admitted to an engine and not finished, the running one included",
+            labels=["model", "engine"],
+        )
+        for model, engine, worker in self.model_registry.loaded_workers():
+            depth.add_metric([model, engine], worker.pending)
+        yield depth
+        memory = self.process.memory_info()
+        yield GaugeMetricFamily(
+            "duet_process_resident_memory_bytes", "Resident memory of the server process",
+            value=memory.rss,
+        )
+        yield GaugeMetricFamily(
+            "duet_process_virtual_memory_bytes", "Virtual memory of the server process",
+            value=memory.vms,
+        )
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request by its route template, so that unknown paths cannot blow up
+    the number of series (they count as 'unmatched')."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = CLIENT_CLOSED
+        started = time.perf_counter()
+
+        async def record_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        except Exception:
+            status = "500"
+            raise
+        finally:
+            endpoint = _endpoint(scope)
+            self.metrics.requests.labels(endpoint, scope["method"], status).inc()
+            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _endpoint(scope: Scope) -> str:
+    """The route template of a request, also for one refused before routing (401, 413): then
+    it is looked up among the paths of the app's OpenAPI schema."""
+    route = scope.get("route")
+    if getattr(route, "path", None):
+        return route.path
+    app = scope.get("app")
+    if app is None:
+        return "unmatched"
+    templates = getattr(app.state, "path_templates", None)
+    if templates is None:
+        templates = [(compile_path(p)[0], p) for p in app.openapi().get("paths", {})]
+        app.state.path_templates = templates
+    return next((p for regex, p in templates if regex.match(scope["path"])), "unmatched")

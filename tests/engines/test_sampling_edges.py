@@ -1,0 +1,39 @@
+"""Sampling values the HTTP layer accepts must work on both engines: a top_k at or above the
+vocabulary (no filtering) and seeds folded into uint64 (the protocol turns -1 into 2**64 - 1)."""
+
+import pytest
+
+from engines.base import SamplingParams, Step
+from server.protocol import ChatCompletionRequest
+
+PROMPT = [5, 70, 80, 90, 33]
+
+
+def engines(path):
+    from engines.torch_engine import TorchEngine
+
+    yield TorchEngine(path, context_length=64, dtype="float32", device="cpu")
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    yield MLXEngine(path, context_length=64, dtype="float32")
+
+
+def tokens(engine, **kw):
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, **kw)
+    return [e.token_id for e in engine.generate(PROMPT, params)
+            if isinstance(e, Step) and e.finish_reason is None]
+
+
+def test_huge_top_k_and_extreme_seeds(tiny_dirs):
+    path, _ = tiny_dirs["llama"]
+    folded = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": -1}
+    ).to_sampling_params(6).seed
+    assert folded == 2**64 - 1
+    for engine in engines(path):
+        vocab = engine.tokenizer.vocab_size
+        unfiltered = tokens(engine, seed=7)
+        assert tokens(engine, seed=7, top_k=vocab) == unfiltered, engine.name
+        assert tokens(engine, seed=7, top_k=10**6) == unfiltered, engine.name
+        assert tokens(engine, seed=folded) == tokens(engine, seed=folded), engine.name
