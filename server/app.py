@@ -7,9 +7,11 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from engines.config import load_models_file
 
+from .bench import STATIC_DIR, BenchService
 from .errors import install_error_handlers
 from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
 from .routes import router
@@ -46,6 +48,10 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.service = GenerationService(registry)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
+    app.state.bench = BenchService(registry, settings, startup_model)
     install_error_handlers(app)
     app.include_router(router)
+    if settings.bench_enabled:
+        # The /bench page's script and styles ship inside the package: no CDN.
+        app.mount("/bench/assets", StaticFiles(directory=STATIC_DIR), name="bench-assets")
     return app

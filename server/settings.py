@@ -37,3 +37,10 @@ class Settings(BaseSettings):
     )
     preload: bool = Field(True, description="Load the start-up model before accepting requests")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    bench_enabled: bool = Field(
+        True, description="Serve POST /bench and the GET /bench page (DUET_BENCH_ENABLED=false: off)"
+    )
+    bench_max_tokens: int = Field(512, ge=1, description="/bench: most tokens per run")
+    bench_max_repeats: int = Field(20, ge=1, description="/bench: most measured runs per prompt")
+    bench_max_warmup: int = Field(5, ge=0, description="/bench: most warm-up runs per engine")
+    bench_max_prompts: int = Field(8, ge=1, description="/bench: most prompts per run")
