@@ -119,7 +119,8 @@ async function readEvents(stream, onEvent) {
 }
 
 function reset() {
-  Object.assign(state, { events: [], targets: [], series: {}, summary: null, error: null });
+  Object.assign(state, { events: [], targets: [], series: {}, summary: null, error: null,
+                         environment: null });
   $("summary").hidden = true;
   $("environment").hidden = true;
   drawAll();
@@ -134,8 +135,8 @@ function addTarget(info) {
 function handle(ev) {
   state.events.push(ev);
   if (ev.type === "start") {
-    ev.targets.forEach(addTarget);
     state.environment = ev.environment;
+    ev.targets.forEach(addTarget);
     state.planned = (ev.warmup + ev.repeats * ev.prompts.length) *
       (ev.targets.length + ev.references.length);
     setStatus(`Running ${ev.model}: ${ev.prompts.length} prompts × ${ev.repeats} repeats, ` +
@@ -215,11 +216,12 @@ function el(name, attrs = {}, text) {
   return node;
 }
 
+// The top of the y axis: four gridline steps of 1, 2, 2.5 or 5 times a power of ten.
 function niceMax(x) {
   if (!(x > 0)) return 1;
-  const step = 10 ** Math.floor(Math.log10(x));
-  for (const m of [1, 2, 2.5, 5, 10]) if (m * step >= x) return m * step;
-  return 10 * step;
+  const raw = x / 4, power = 10 ** Math.floor(Math.log10(raw));
+  const m = [1, 2, 2.5, 5, 10].find((k) => k * power >= raw);
+  return 4 * m * power;
 }
 
 function axes(svg, yMax, xLabels) {
@@ -230,10 +232,10 @@ function axes(svg, yMax, xLabels) {
     g.append(el("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: y, y2: y }));
     const v = (yMax * i) / 4;
     g.append(el("text", { x: BOX.left - 6, y: y + 4, "text-anchor": "end" },
-                v >= 100 ? v.toFixed(0) : v.toPrecision(2)));
+                String(Number(v.toPrecision(3)))));
   }
-  xLabels.forEach(([x, label]) =>
-    g.append(el("text", { x, y: BOX.h - 8, "text-anchor": "middle" }, label)));
+  xLabels.forEach(([x, label]) => g.append(el("text", {
+    x, y: BOX.h - 8, "text-anchor": x > BOX.w - BOX.right - 20 ? "end" : "middle" }, label)));
   svg.append(g);
 }
 

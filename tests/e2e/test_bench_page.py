@@ -1,0 +1,103 @@
+"""/bench end to end on the real default model, both engines: the page in headless Chromium
+(Debian's chromium and its chromedriver, driven by Selenium) and POST /bench with references."""
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.settings import Settings
+from tests.live_server import LiveServer
+
+pytestmark = pytest.mark.e2e
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(create_app(Settings())) as live:
+        yield live
+
+
+@pytest.fixture
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip("needs Debian's chromium and chromium-driver (scripts/setup.sh installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1200,1500"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_page_runs_both_engines_and_charts_them(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/bench")
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return window.benchState.ready"))
+    engines = {e.get_attribute("value"): e.is_selected()
+               for e in browser.find_elements(By.CSS_SELECTOR, "input[name=engine]")}
+    assert engines == {"torch": True, "mlx": True}
+    browser.execute_script("""
+        document.getElementById('max_tokens').value = 8;
+        document.getElementById('repeats').value = 1;
+        document.getElementById('warmup').value = 0;""")
+    browser.find_element(By.ID, "start").click()
+    # Both series appear while the run is going, before its summary.
+    WebDriverWait(browser, 300).until(lambda d: d.execute_script(
+        "const s = window.benchState.series;"
+        "return s.torch && s.mlx && s.torch.decode.length > 0 && s.mlx.decode.length > 0"))
+    WebDriverWait(browser, 300).until(lambda d: d.execute_script("return window.benchState.summary"))
+    state = browser.execute_script("return window.benchState")
+    assert state["error"] is None
+    for name in ("torch", "mlx"):
+        series = state["series"][name]
+        assert len(series["decode"]) == 4 and all(v > 0 for v in series["decode"])  # 4 prompts
+        assert all(v > 0 for v in series["ttft"]) and series["kv"][-1] > 0
+        for chart in ("chart-decode", "chart-ttft"):
+            group = browser.find_element(
+                By.CSS_SELECTOR, f"#{chart} g.series[data-target='{name}']")
+            assert group.get_attribute("data-points") == "4"
+            assert len(group.find_elements(By.TAG_NAME, "circle")) == 4
+        bars = browser.find_elements(By.CSS_SELECTOR, f"#chart-memory g.series[data-target='{name}'] rect")
+        assert len(bars) == 2 and float(bars[0].get_attribute("height")) > 0
+    where = browser.find_element(By.ID, "targets-table").text
+    assert "torch" in where and "mlx" in where and "CPU" in where
+    assert "torch 2." in browser.find_element(By.ID, "versions").text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#summary-table tbody tr")
+    assert [r.find_element(By.TAG_NAME, "td").text for r in rows] == ["torch", "mlx"]
+    assert "torch / mlx: decode" in browser.find_element(By.ID, "ratios").text
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "bench-page.png"))
+
+
+def test_post_bench_with_references_on_the_real_model(server):
+    body = {"model": MODEL, "preset": "chat", "max_tokens": 8, "repeats": 1, "warmup": 1,
+            "references": ["transformers", "mlx-lm"]}
+    resp = httpx.post(server.url + "/bench", json=body, timeout=600)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert list(data["targets"]) == ["torch", "mlx", "transformers", "mlx-lm"]
+    for name, t in data["targets"].items():
+        assert t["runs"] == 3 and t["decode_tokens_per_s"]["median"] > 0, name
+        assert t["peak_memory_bytes"]["median"] > 0
+    assert data["targets"]["torch"]["kv_cache_bytes"]["median"] > 0
+    assert {r["completion_tokens"] for r in data["runs"]} == {8}
+    assert set(data["ratios"]) >= {"torch / mlx", "torch / transformers", "mlx / mlx-lm"}
+    # The bench's references are gone again; the engines still answer.
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0, "max_tokens": 20, "engine": "mlx"})
+    assert "Paris" in chat.json()["choices"][0]["message"]["content"]
