@@ -122,7 +122,7 @@ class RunRecord:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     peak_memory_bytes: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None  # None where a reference does not say
     total_s: float
 
     def to_dict(self) -> dict:
@@ -192,7 +192,7 @@ class ReferenceTarget:
         return RunRecord(
             self.name, "reference", run.prompt, run.repeat, run.warmup, len(prompt_ids),
             max_tokens, m.ttft_s, m.prefill_tokens_per_s, m.decode_tokens_per_s,
-            int(m.peak_memory_bytes), 0, time.perf_counter() - start,
+            int(m.peak_memory_bytes), None, time.perf_counter() - start,
         )
 
     def close(self) -> None:
@@ -215,8 +215,8 @@ def summarize_target(records: Iterable[RunRecord]) -> dict:
                  "prompt_tokens": statistics.median(r.prompt_tokens for r in measured),
                  "completion_tokens": statistics.median(r.completion_tokens for r in measured)}
     for key in METRICS:
-        values = [getattr(r, key) for r in measured]
-        out[key] = {"median": statistics.median(values), "p90": p90(values)}
+        values = [getattr(r, key) for r in measured if getattr(r, key) is not None]
+        out[key] = {"median": statistics.median(values), "p90": p90(values)} if values else None
     return out
 
 
@@ -228,8 +228,9 @@ def ratios(per_target: dict[str, dict]) -> dict[str, dict[str, float | None]]:
         for b in names[i + 1:]:
             pair = {}
             for key in RATIO_METRICS:
-                x, y = per_target[a][key]["median"], per_target[b][key]["median"]
-                pair[key] = x / y if y else None  # JSON has no NaN
+                sa, sb = per_target[a][key], per_target[b][key]
+                # JSON has no NaN: a ratio with nothing to divide by is null.
+                pair[key] = sa["median"] / sb["median"] if sa and sb and sb["median"] else None
             out[f"{a} / {b}"] = pair
     return out
 

@@ -164,16 +164,16 @@ def chart(summary: dict, path: Path) -> None:
         ax.bar(names, med, color=colours)
         ax.scatter(names, p90, marker="_", s=400, color="black", label="p90", zorder=3)
         ax.set_title(label)
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     ax = axes[2]
     x = range(len(names))
     peak = [measured[n]["peak_memory_bytes"]["median"] / MiB for n in names]
-    kv = [measured[n]["kv_cache_bytes"]["median"] / MiB for n in names]
+    kv = [(measured[n]["kv_cache_bytes"] or {"median": 0})["median"] / MiB for n in names]
     ax.bar([i - 0.2 for i in x], peak, width=0.4, color=colours, label="peak")
     ax.bar([i + 0.2 for i in x], kv, width=0.4, color=colours, alpha=0.45, label="KV cache")
     ax.set_xticks(list(x), names)
     ax.set_title("memory, MiB (median)")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.suptitle(f"duet bench: {title(summary)}  (bars: median)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -152,7 +152,7 @@ function handle(ev) {
       s.decode.push(ev.decode_tokens_per_s);
       s.ttft.push(ev.ttft_s * 1000);
       s.peak.push(ev.peak_memory_bytes / MiB);
-      s.kv.push(ev.kv_cache_bytes / MiB);
+      s.kv.push((ev.kv_cache_bytes || 0) / MiB);  // references do not report it
       drawAll();
     }
   } else if (ev.type === "error") {

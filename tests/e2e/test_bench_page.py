@@ -94,6 +94,7 @@ def test_post_bench_with_references_on_the_real_model(server):
         assert t["runs"] == 3 and t["decode_tokens_per_s"]["median"] > 0, name
         assert t["peak_memory_bytes"]["median"] > 0
     assert data["targets"]["torch"]["kv_cache_bytes"]["median"] > 0
+    assert data["targets"]["transformers"]["kv_cache_bytes"] is None  # not reported, not 0
     assert {r["completion_tokens"] for r in data["runs"]} == {8}
     assert set(data["ratios"]) >= {"torch / mlx", "torch / transformers", "mlx / mlx-lm"}
     # The bench's references are gone again; the engines still answer.

@@ -86,7 +86,7 @@ def test_reference_runs_on_a_tiny_model(tiny_dirs, name):
     assert (record.target, record.kind, record.prompt, record.repeat) == (name, "reference", 1, 2)
     assert record.prompt_tokens == 5 and record.completion_tokens == 6
     assert record.ttft_s > 0 and record.decode_tokens_per_s > 0 and record.peak_memory_bytes > 0
-    assert record.total_s >= record.ttft_s
+    assert record.total_s >= record.ttft_s and record.kv_cache_bytes is None
     ref.close()
 
 

@@ -205,3 +205,17 @@ def test_a_client_that_leaves_stops_the_run(models_file):
             resp = client.post("/v1/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
             assert resp.status_code == 200 and time.perf_counter() - started < 2.0
+
+
+def test_the_page_ships_as_package_data_and_the_readme_says_how_to_open_it():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "static/*" in meta["tool"]["setuptools"]["package-data"]["server"]
+    page = (root / "server" / "static" / "bench.html").read_text()
+    for asset in re.findall(r'"/bench/assets/([\w.]+)"', page):
+        assert (root / "server" / "static" / asset).is_file()
+    assert "http://127.0.0.1:8000/bench" in (root / "README.md").read_text()
