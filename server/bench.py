@@ -64,16 +64,17 @@ class BenchRequest(BaseModel):
 
 def check_limits(req: BenchRequest, settings: Settings) -> None:
     n_prompts = len(req.prompts) if req.prompts else len(core.PRESETS[req.preset])
-    for param, value, limit in (
-        ("max_tokens", req.max_tokens, settings.bench_max_tokens),
-        ("repeats", req.repeats, settings.bench_max_repeats),
-        ("warmup", req.warmup, settings.bench_max_warmup),
-        ("prompts", n_prompts, settings.bench_max_prompts),
+    for param, value, setting in (
+        ("max_tokens", req.max_tokens, "bench_max_tokens"),
+        ("repeats", req.repeats, "bench_max_repeats"),
+        ("warmup", req.warmup, "bench_max_warmup"),
+        ("prompts", n_prompts, "bench_max_prompts"),
     ):
+        limit = getattr(settings, setting)
         if value > limit:
             raise bad_request(
                 f"{param} is {value}; this server allows at most {limit} "
-                f"(DUET_BENCH_MAX_{param.upper()})", param=param, code="bench_limit_exceeded")
+                f"(DUET_{setting.upper()})", param=param, code="bench_limit_exceeded")
 
 
 def bench_disabled() -> APIError:
@@ -132,6 +133,8 @@ class BenchRun:
                         errors[run.target] = f"{type(exc).__name__}: {exc}"
                         yield _error(run.target, errors[run.target])
                         continue
+                    if self.gone.is_set():  # cut short by a client that left: no figure
+                        break
                     records.append(record)
                     yield {"type": "run", **record.to_dict()}
                 yield self._summary(records, errors, started)

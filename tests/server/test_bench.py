@@ -106,7 +106,10 @@ def test_bad_input_is_a_400_in_the_openai_shape(client, change, param, code):
 
 def test_limits_come_from_the_settings(make_client):
     with make_client(bench_max_repeats=1) as client:
-        assert_openai_error(client.post("/bench", json=BENCH), 400, param="repeats")
+        err = assert_openai_error(client.post("/bench", json=BENCH), 400, param="repeats")
+        assert "DUET_BENCH_MAX_REPEATS" in err["message"]
+        err = assert_openai_error(client.post("/bench", json={**BENCH, "max_tokens": 999}), 400)
+        assert "DUET_BENCH_MAX_TOKENS" in err["message"]
         assert client.post("/bench", json={**BENCH, "repeats": 1}).status_code == 200
 
 
