@@ -84,21 +84,52 @@ def test_page_runs_both_engines_and_charts_them(server, browser):
 
 
 def test_post_bench_with_references_on_the_real_model(server):
-    body = {"model": MODEL, "preset": "chat", "max_tokens": 8, "repeats": 1, "warmup": 1,
-            "references": ["transformers", "mlx-lm"]}
+    body = {"model": MODEL, "prompts": ["The capital of France is"], "max_tokens": 8,
+            "repeats": 2, "warmup": 0, "references": ["transformers", "mlx-lm"]}
     resp = httpx.post(server.url + "/bench", json=body, timeout=600)
     assert resp.status_code == 200, resp.text
     data = resp.json()
     assert list(data["targets"]) == ["torch", "mlx", "transformers", "mlx-lm"]
     for name, t in data["targets"].items():
-        assert t["runs"] == 3 and t["decode_tokens_per_s"]["median"] > 0, name
+        assert t["runs"] == 2 and t["decode_tokens_per_s"]["median"] > 0, name
         assert t["peak_memory_bytes"]["median"] > 0
     assert data["targets"]["torch"]["kv_cache_bytes"]["median"] > 0
     assert data["targets"]["transformers"]["kv_cache_bytes"] is None  # not reported, not 0
     assert {r["completion_tokens"] for r in data["runs"]} == {8}
+    assert len({r["prompt_tokens"] for r in data["runs"]}) == 1  # one tokenization for all
     assert set(data["ratios"]) >= {"torch / mlx", "torch / transformers", "mlx / mlx-lm"}
     # The bench's references are gone again; the engines still answer.
     chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "temperature": 0, "max_tokens": 20, "engine": "mlx"})
     assert "Paris" in chat.json()["choices"][0]["message"]["content"]
+
+
+def test_stop_on_the_page_stops_the_run_on_the_server(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.server.conftest import MODELS, FakeFactory
+
+    registry = tmp_path / "models.toml"
+    registry.write_text(MODELS)
+    factory = FakeFactory(token_delay_s=0.01, reply="x" * 64)
+    with LiveServer(create_app(Settings(models_file=registry), factory)) as live:
+        browser.get(live.url + "/bench")
+        WebDriverWait(browser, 30).until(lambda d: d.execute_script("return window.benchState.ready"))
+        browser.execute_script("""
+            document.getElementById('max_tokens').value = 60;
+            document.getElementById('repeats').value = 20;""")
+        browser.find_element(By.ID, "start").click()
+        WebDriverWait(browser, 60).until(lambda d: d.execute_script(
+            "return (window.benchState.series.torch || {decode: []}).decode.length > 0"))
+        browser.find_element(By.ID, "stop").click()
+        WebDriverWait(browser, 30).until(lambda d: not d.execute_script(
+            "return window.benchState.running"))
+        assert "Stopped" in browser.find_element(By.ID, "status").text
+        import time
+
+        time.sleep(1.0)
+        calls = sum(len(e.calls) for e in factory.engines.values())
+        time.sleep(1.5)
+        assert sum(len(e.calls) for e in factory.engines.values()) == calls < 2 * 4 * 21
