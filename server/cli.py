@@ -84,6 +84,12 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench_report import run_from_cli
+
+    return run_from_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duet", description="A local OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,8 +122,27 @@ def main(argv: list[str] | None = None) -> int:
     prepare = sub.add_parser("prepare", help="convert a model into the cache and print its path")
     prepare.add_argument("--config", help="model registry file")
     prepare.add_argument("--model", help="model id (default: the first one)")
+    bench = sub.add_parser(
+        "bench", help="compare the engines (and references) on the same prompts",
+        description="Runs the same prompts greedily through each engine, prints medians and p90, "
+                    "writes JSON, a markdown table and a PNG chart.")
+    bench.add_argument("--url", help="a running duet server (default: load the engines in-process)")
+    bench.add_argument("--model", help="model id (default: the first in models.toml)")
+    bench.add_argument("--engines", help="comma-separated, e.g. torch,mlx (default: all installed)")
+    bench.add_argument("--references", help="comma-separated: transformers, mlx-lm")
+    bench.add_argument("--preset", choices=["short", "long", "chat"], help="prompt set (default short)")
+    bench.add_argument("--prompt", action="append", help="a raw text prompt (repeatable); replaces the preset")
+    bench.add_argument("--max-tokens", type=int, help="tokens per run (default 64)")
+    bench.add_argument("--repeats", type=int, help="measured runs per prompt (default 3)")
+    bench.add_argument("--warmup", type=int, help="warm-up runs per engine (default 1)")
+    bench.add_argument("--config", help="in-process: model registry file")
+    bench.add_argument("--device", help="in-process: torch device (auto, cpu, cuda, mps)")
+    bench.add_argument("--out", default="bench-results", help="directory for JSON, markdown and PNG")
+    bench.add_argument("--name", help="file name stem (default: model and time)")
+    bench.add_argument("--md-section", help="also write the markdown into a marked section of this file")
     args = parser.parse_args(argv)
-    return {"serve": _serve, "prepare": _prepare}[args.command](args)
+    args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
+    return {"serve": _serve, "prepare": _prepare, "bench": _bench}[args.command](args)
 
 
 if __name__ == "__main__":

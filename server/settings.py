@@ -70,6 +70,14 @@ class Settings(BaseSettings):
         "they are cancelled",
     )
 
+    bench_enabled: bool = Field(
+        True, description="Serve POST /bench and the GET /bench page (DUET_BENCH_ENABLED=false: off)"
+    )
+    bench_max_tokens: int = Field(512, ge=1, description="/bench: most tokens per run")
+    bench_max_repeats: int = Field(20, ge=1, description="/bench: most measured runs per prompt")
+    bench_max_warmup: int = Field(5, ge=0, description="/bench: most warm-up runs per engine")
+    bench_max_prompts: int = Field(8, ge=1, description="/bench: most prompts per run")
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _comma_separated(cls, value):
@@ -93,3 +101,4 @@ class Settings(BaseSettings):
             if not key or any(c.isspace() for c in key):
                 raise ValueError("an API key must be non-empty and contain no whitespace")
         return frozenset(keys)
+

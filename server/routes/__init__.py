@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from . import chat, completions, health, metrics, models
+from . import bench, chat, completions, health, metrics, models
 
 router = APIRouter()
-for module in (health, metrics, models, chat, completions):
+for module in (health, metrics, models, chat, completions, bench):
     router.include_router(module.router)

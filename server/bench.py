@@ -1,0 +1,326 @@
+"""/bench: the bench core driven over the server's own engine workers.
+
+Each run is queued on its engine's worker like any request, so a bench never runs engine code
+beside a request on the same engine, and requests that arrive mid-bench wait for at most one
+run. References (transformers, mlx-lm) load their own copy of the model on a worker of their
+own for the length of the bench. `duet bench` drives this same class in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import threading
+import time
+from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engines import bench_core as core
+from engines.base import ContextLengthExceeded, EngineError
+from engines.factory import backend_available, backend_missing
+from engines.sources import resolve_model_dir
+
+from .errors import APIError, bad_request, from_engine_error
+from .registry import ModelRegistry
+from .settings import Settings
+from .worker import EngineWorker
+
+log = logging.getLogger("duet.server")
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+Preset = Literal["short", "long", "chat"]
+Reference = Literal["transformers", "mlx-lm"]
+
+
+class BenchRequest(BaseModel):
+    # duet's own endpoint: a misspelt field is an error, not silently a default.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, min_length=1, max_length=256,
+                              description="default: the server's start-up model")
+    engines: list[Literal["torch", "mlx"]] | None = Field(
+        None, min_length=1, description="default: every engine whose backend is installed")
+    preset: Preset = "short"
+    prompts: list[Annotated[str, Field(min_length=1, max_length=100_000)]] | None = Field(
+        None, min_length=1, description="raw text prompts; replace the preset")
+    max_tokens: int = Field(64, ge=1, description="tokens generated per run, end-of-sequence ignored")
+    repeats: int = Field(3, ge=1, description="measured runs per prompt and engine")
+    warmup: int = Field(1, ge=0, description="unmeasured runs per engine first")
+    references: list[Reference] = Field(default_factory=list)
+    stream: bool = False
+
+    @field_validator("engines", "references")
+    @classmethod
+    def _distinct(cls, names):
+        if names and len(set(names)) != len(names):
+            raise ValueError("each name may appear once")
+        return names
+
+
+def check_limits(req: BenchRequest, settings: Settings) -> None:
+    n_prompts = len(req.prompts) if req.prompts else len(core.PRESETS[req.preset])
+    for param, value, setting in (
+        ("max_tokens", req.max_tokens, "bench_max_tokens"),
+        ("repeats", req.repeats, "bench_max_repeats"),
+        ("warmup", req.warmup, "bench_max_warmup"),
+        ("prompts", n_prompts, "bench_max_prompts"),
+    ):
+        limit = getattr(settings, setting)
+        if value > limit:
+            raise bad_request(
+                f"{param} is {value}; this server allows at most {limit} "
+                f"(DUET_{setting.upper()})", param=param, code="bench_limit_exceeded")
+
+
+def bench_disabled() -> APIError:
+    return APIError(403, "benchmarks are switched off on this server (DUET_BENCH_ENABLED=false)",
+                    type="permission_error", code="bench_disabled")
+
+
+@dataclass
+class Target:
+    name: str
+    kind: core.TargetKind
+    worker: EngineWorker
+    info: dict
+    reference: core.ReferenceTarget | None = None
+
+
+@dataclass
+class BenchRun:
+    """A validated bench: engines loaded, prompts tokenized; events() runs it."""
+
+    req: BenchRequest
+    model: str
+    model_dir: Callable[[], object]
+    dtype: str
+    context: int
+    prompts: tuple[core.BenchPrompt, ...]
+    prompt_ids: list[list[int]]
+    targets: dict[str, Target]
+    lock: asyncio.Lock
+    device: str
+    gone: threading.Event = field(default_factory=threading.Event)
+
+    async def events(self) -> AsyncIterator[dict]:
+        records: list[core.RunRecord] = []
+        errors: dict[str, str] = {}
+        started = time.time()
+        try:
+            async with self.lock:  # one bench at a time: two would time each other
+                yield self._start_event()
+                for name in self.req.references:
+                    event = await self._load_reference(name)
+                    if event["type"] == "error":
+                        errors[name] = event["error"]["message"]
+                    yield event
+                plan = core.plan_runs(list(self.targets), len(self.prompts), self.req.repeats,
+                                      self.req.warmup)
+                for run in plan:
+                    if self.gone.is_set():
+                        break
+                    if run.target in errors:
+                        continue
+                    try:
+                        record = await self._run(run)
+                    except Exception as exc:  # one failing target must not lose the others
+                        log.exception("bench run on %s failed", run.target)
+                        errors[run.target] = f"{type(exc).__name__}: {exc}"
+                        yield _error(run.target, errors[run.target])
+                        continue
+                    if self.gone.is_set():  # cut short by a client that left: no figure
+                        break
+                    records.append(record)
+                    yield {"type": "run", **record.to_dict()}
+                yield self._summary(records, errors, started)
+        finally:
+            self.gone.set()  # stops a run still going on an engine thread
+            self._unload_references()
+
+    def _start_event(self) -> dict:
+        return {
+            "type": "start", "model": self.model, "preset": None if self.req.prompts else self.req.preset,
+            "prompts": self._prompt_info(),
+            "max_tokens": self.req.max_tokens, "repeats": self.req.repeats,
+            "warmup": self.req.warmup, "targets": [t.info for t in self.targets.values()],
+            "references": list(self.req.references), "environment": core.environment(),
+        }
+
+    def _prompt_info(self) -> list[dict]:
+        return [{"label": p.label, "prompt_tokens": len(ids)}
+                for p, ids in zip(self.prompts, self.prompt_ids)]
+
+    async def _load_reference(self, name: str) -> dict:
+        ref = core.ReferenceTarget(name, device=self.device)
+        worker = EngineWorker(f"bench-{name}")
+        start = time.perf_counter()
+        try:
+            model_dir = await asyncio.to_thread(self.model_dir)
+            info = await worker.run(ref.setup, model_dir, self.dtype, self.context)
+        except Exception as exc:
+            log.exception("bench reference %s could not be set up", name)
+            worker.close()
+            return _error(name, f"{type(exc).__name__}: {exc}")
+        worker.engine = ref  # so that worker.close() tears it down on its thread
+        info = {"name": name, "kind": "reference", **info,
+                "device_name": core.device_label(info["device"]),
+                "load_s": round(time.perf_counter() - start, 3)}
+        self.targets[name] = Target(name, "reference", worker, info, ref)
+        return {"type": "target", **info}
+
+    async def _run(self, run: core.PlannedRun) -> core.RunRecord:
+        target = self.targets[run.target]
+        ids = self.prompt_ids[run.prompt]
+        if target.reference is not None:
+            return await target.worker.run(target.reference.run, run, ids, self.req.max_tokens)
+        stats = await target.worker.run(
+            lambda: core.engine_run(target.worker.engine, ids, self.req.max_tokens, self.gone.is_set))
+        return core.record_from_stats(run, stats)
+
+    def _unload_references(self) -> None:
+        # The worker closes its "engine" (the reference) on its own thread, after any run.
+        for target in [t for t in self.targets.values() if t.reference is not None]:
+            target.worker.close()
+            del self.targets[target.name]
+
+    def _summary(self, records: list[core.RunRecord], errors: dict, started: float) -> dict:
+        summary = core.summarize(list(self.targets) + [n for n in errors if n not in self.targets],
+                                 records, errors)
+        for name, target in self.targets.items():
+            summary["targets"][name]["info"] = target.info
+        return {
+            "type": "summary", "model": self.model,
+            "date": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(timespec="seconds"),
+            "preset": None if self.req.prompts else self.req.preset,
+            "prompts": self._prompt_info(), "max_tokens": self.req.max_tokens,
+            "repeats": self.req.repeats, "warmup": self.req.warmup,
+            "cancelled": self.gone.is_set(), "environment": core.environment(),
+            "wall_s": round(time.time() - started, 3), **summary,
+        }
+
+
+def _error(target: str, message: str) -> dict:
+    return {"type": "error", "target": target,
+            "error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
+class BenchService:
+    def __init__(self, registry: ModelRegistry, settings: Settings, default_model: str):
+        self.registry = registry
+        self.settings = settings
+        self.default_model = default_model
+        self.lock = asyncio.Lock()
+
+    async def prepare(self, req: BenchRequest) -> BenchRun:
+        if not self.settings.bench_enabled:
+            raise bench_disabled()
+        check_limits(req, self.settings)
+        spec = self.registry.spec(req.model or self.default_model)
+        if spec.task != "generate":
+            raise bad_request(f"model '{spec.id}' is a {spec.task} model", param="model")
+        factory = self.registry.factory
+        engines = req.engines or [n for n in factory.names if factory.available(n)]
+        if not engines:
+            raise bad_request("no engine backend is installed", param="engines",
+                              code="engine_unavailable")
+        for name in req.references:
+            backend = core.REFERENCES[name][1]
+            if not backend_available(backend):
+                raise _with_param(from_engine_error(backend_missing(backend)), "references")
+        prompts = core.resolve_prompts(req.preset, req.prompts)
+        targets: dict[str, Target] = {}
+        prompt_ids: list[list[int]] = []
+        for name in engines:
+            try:
+                worker = await self.registry.worker(spec.id, name)
+            except EngineError as exc:
+                raise _with_param(from_engine_error(exc), "engines") from exc
+            ids = await asyncio.to_thread(_tokenize, worker.engine, prompts)
+            _check_fits(ids, req.max_tokens, worker.engine.info.context_length)
+            prompt_ids = prompt_ids or ids  # the same model files: the same tokens everywhere
+            info = worker.engine.info
+            targets[name] = Target(name, "engine", worker, {
+                "name": name, "kind": "engine", "device": info.device,
+                "device_name": core.device_label(info.device), "dtype": info.dtype,
+                "backend_version": info.backend_version, "context_length": info.context_length,
+            })
+        return BenchRun(req, spec.id, lambda: resolve_model_dir(spec), spec.dtype,
+                        spec.context_length, prompts, prompt_ids, targets, self.lock,
+                        self.settings.device)
+
+
+def _with_param(err: APIError, param: str) -> APIError:
+    err.param = param
+    return err
+
+
+def _tokenize(engine, prompts) -> list[list[int]]:
+    try:
+        return [p.token_ids(engine) for p in prompts]
+    except ValueError as exc:  # e.g. the chat preset on a model without a chat template
+        raise bad_request(str(exc), param="preset") from exc
+
+
+def _check_fits(prompt_ids: list[list[int]], max_tokens: int, context: int) -> None:
+    for ids in prompt_ids:
+        if not ids:
+            raise bad_request("a prompt is empty once tokenized", param="prompts")
+        if len(ids) + max_tokens > context:
+            err = from_engine_error(ContextLengthExceeded(len(ids), max_tokens, context))
+            raise _with_param(err, "prompts")
+
+
+async def watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]], gone: threading.Event,
+                           every_s: float = 0.2) -> None:
+    """Tell the bench its client left, also while a run is on an engine thread."""
+    while not gone.is_set():
+        if await is_disconnected():
+            log.info("bench client disconnected; stopping the run")
+            gone.set()
+            return
+        await asyncio.sleep(every_s)
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def respond(service: BenchService, req: BenchRequest,
+                  is_disconnected: Callable[[], Awaitable[bool]]):
+    """POST /bench: validate (errors are plain HTTP errors), then a JSON summary or SSE events."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from .streaming import DONE, sse
+
+    run = await service.prepare(req)
+    if req.stream:
+        async def body() -> AsyncIterator[str]:
+            watcher = asyncio.create_task(watch_disconnect(is_disconnected, run.gone))
+            try:
+                async for event in run.events():
+                    yield sse(event)
+            except Exception as exc:
+                log.exception("bench failed")
+                yield sse(_error("bench", f"{type(exc).__name__}: {exc}"))
+            finally:
+                watcher.cancel()
+            yield DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    watcher = asyncio.create_task(watch_disconnect(is_disconnected, run.gone))
+    runs: list[dict] = []
+    summary: dict = {}
+    try:
+        async for event in run.events():
+            if event["type"] == "run":
+                runs.append({k: v for k, v in event.items() if k != "type"})
+            elif event["type"] == "summary":
+                summary = event
+    finally:
+        watcher.cancel()
+    summary.pop("type", None)
+    return JSONResponse({**summary, "runs": runs})

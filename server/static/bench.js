@@ -1,0 +1,311 @@
+// The /bench page: a form, a POST /bench stream read with fetch, and three small SVG charts.
+// No libraries: the page must work offline, served by duet itself.
+"use strict";
+
+const COLOURS = { torch: "#e4572e", mlx: "#1f77b4", transformers: "#7a7a7a", "mlx-lm": "#6a3d9a" };
+const EXTRA = ["#2ca02c", "#bcbd22", "#17becf", "#d62728"];
+const SVG_NS = "http://www.w3.org/2000/svg";
+const MiB = 1024 * 1024;
+
+// Everything the page knows about the current run; the headless test reads it too.
+const state = window.benchState = {
+  running: false, events: [], targets: [], series: {}, summary: null, error: null,
+};
+
+const $ = (id) => document.getElementById(id);
+
+function colour(name) {
+  if (COLOURS[name]) return COLOURS[name];
+  const i = Object.keys(state.series).indexOf(name);
+  return EXTRA[(i < 0 ? 0 : i) % EXTRA.length];
+}
+
+function setStatus(text, isError = false) {
+  $("status").textContent = text;
+  $("status").classList.toggle("error", isError);
+}
+
+// ------------------------------------------------------------------ the form
+async function loadModels() {
+  const resp = await fetch("/v1/models");
+  const models = (await resp.json()).data.filter((m) => m.task === "generate");
+  const select = $("model");
+  for (const m of models) select.add(new Option(m.id, m.id));
+  const showEngines = () => {
+    const model = models.find((m) => m.id === select.value);
+    const box = $("engines");
+    box.querySelectorAll("label").forEach((l) => l.remove());
+    for (const e of model ? model.engines : []) {
+      const label = document.createElement("label");
+      const input = document.createElement("input");
+      Object.assign(input, { type: "checkbox", name: "engine", value: e.name,
+                             checked: e.available, disabled: !e.available });
+      label.append(input, ` ${e.name}${e.available ? "" : " (not installed)"}`);
+      box.append(label);
+    }
+  };
+  select.addEventListener("change", showEngines);
+  showEngines();
+}
+
+function requestBody() {
+  const checked = (name) => [...document.querySelectorAll(`input[name=${name}]:checked`)]
+    .map((i) => i.value);
+  return {
+    model: $("model").value || undefined,
+    engines: checked("engine"),
+    references: checked("reference"),
+    preset: $("preset").value,
+    max_tokens: Number($("max_tokens").value),
+    repeats: Number($("repeats").value),
+    warmup: Number($("warmup").value),
+    stream: true,
+  };
+}
+
+// ------------------------------------------------------------------ the stream
+let controller = null;
+
+async function start(event) {
+  event.preventDefault();
+  if (state.running) return;
+  reset();
+  state.running = true;
+  $("start").disabled = true;
+  $("stop").disabled = false;
+  setStatus("Loading engines and tokenizing prompts…");
+  controller = new AbortController();
+  try {
+    const resp = await fetch("/bench", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(requestBody()), signal: controller.signal,
+    });
+    if (!resp.ok) {
+      const body = await resp.json().catch(() => ({}));
+      throw new Error(body.error ? body.error.message : `HTTP ${resp.status}`);
+    }
+    await readEvents(resp.body, handle);
+    if (!state.summary) setStatus("Stopped.");
+  } catch (err) {
+    if (err.name === "AbortError") setStatus("Stopped: the server ends the run.");
+    else { state.error = err.message; setStatus(err.message, true); }
+  } finally {
+    state.running = false;
+    $("start").disabled = false;
+    $("stop").disabled = true;
+  }
+}
+
+// Server-sent events over a POST: EventSource only does GET, so frames are split by hand.
+async function readEvents(stream, onEvent) {
+  const reader = stream.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = frame.split("\n").filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).trimStart()).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return;
+      onEvent(JSON.parse(data));
+    }
+  }
+}
+
+function reset() {
+  Object.assign(state, { events: [], targets: [], series: {}, summary: null, error: null,
+                         environment: null });
+  $("summary").hidden = true;
+  $("environment").hidden = true;
+  drawAll();
+}
+
+function addTarget(info) {
+  state.targets.push(info);
+  state.series[info.name] = state.series[info.name] || { decode: [], ttft: [], peak: [], kv: [] };
+  showEnvironment();
+}
+
+function handle(ev) {
+  state.events.push(ev);
+  if (ev.type === "start") {
+    state.environment = ev.environment;
+    ev.targets.forEach(addTarget);
+    state.planned = (ev.warmup + ev.repeats * ev.prompts.length) *
+      (ev.targets.length + ev.references.length);
+    setStatus(`Running ${ev.model}: ${ev.prompts.length} prompts × ${ev.repeats} repeats, ` +
+              `${ev.max_tokens} tokens each…`);
+  } else if (ev.type === "target") {
+    addTarget(ev);
+  } else if (ev.type === "run") {
+    const runs = state.events.filter((e) => e.type === "run").length;
+    setStatus(`Run ${runs} of about ${state.planned} finished (${ev.target}` +
+              `${ev.warmup ? ", warm-up" : ""}).`);
+    if (!ev.warmup) {
+      const s = state.series[ev.target];
+      s.decode.push(ev.decode_tokens_per_s);
+      s.ttft.push(ev.ttft_s * 1000);
+      s.peak.push(ev.peak_memory_bytes / MiB);
+      s.kv.push((ev.kv_cache_bytes || 0) / MiB);  // references do not report it
+      drawAll();
+    }
+  } else if (ev.type === "error") {
+    setStatus(`${ev.target}: ${ev.error.message}`, true);
+  } else if (ev.type === "summary") {
+    state.summary = ev;
+    showSummary(ev);
+    setStatus(`Done in ${ev.wall_s.toFixed(1)} s${ev.cancelled ? " (stopped early)" : ""}.`);
+  }
+}
+
+// ------------------------------------------------------------------ tables
+function row(cells) {
+  const tr = document.createElement("tr");
+  for (const c of cells) {
+    const td = document.createElement("td");
+    td.textContent = c;
+    tr.append(td);
+  }
+  return tr;
+}
+
+function showEnvironment() {
+  $("environment").hidden = false;
+  const body = $("targets-table").tBodies[0];
+  body.replaceChildren(...state.targets.map((t) =>
+    row([t.name, t.device_name || t.device, t.dtype, t.backend_version])));
+  const env = state.environment;
+  if (env) {
+    $("versions").textContent = `${env.host}. ` +
+      Object.entries(env.versions).map(([k, v]) => `${k} ${v}`).join(", ");
+  }
+}
+
+function fmt(x, digits = 1) { return Number.isFinite(x) ? x.toFixed(digits) : "–"; }
+
+function showSummary(sum) {
+  $("summary").hidden = false;
+  const pair = (m, scale = 1, d = 1) => m ? `${fmt(m.median * scale, d)} (${fmt(m.p90 * scale, d)})` : "–";
+  $("summary-table").tBodies[0].replaceChildren(...Object.entries(sum.targets).map(([name, t]) =>
+    t.runs ? row([name, t.runs, pair(t.ttft_s, 1000), pair(t.prefill_tokens_per_s, 1, 0),
+                  pair(t.decode_tokens_per_s), pair(t.peak_memory_bytes, 1 / MiB, 0),
+                  pair(t.kv_cache_bytes, 1 / MiB, 1)])
+           : row([name, 0, t.error || "no runs", "", "", "", ""])));
+  $("ratios").replaceChildren(...Object.entries(sum.ratios).map(([k, r]) => {
+    const li = document.createElement("li");
+    li.textContent = `${k}: decode ${fmt(r.decode_tokens_per_s, 2)}×, prefill ` +
+      `${fmt(r.prefill_tokens_per_s, 2)}×, TTFT ${fmt(r.ttft_s, 2)}×, peak memory ` +
+      `${fmt(r.peak_memory_bytes, 2)}×`;
+    return li;
+  }));
+}
+
+// ------------------------------------------------------------------ charts
+const BOX = { w: 520, h: 260, left: 48, right: 12, top: 24, bottom: 28 };
+
+function el(name, attrs = {}, text) {
+  const node = document.createElementNS(SVG_NS, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// The top of the y axis: four gridline steps of 1, 2, 2.5 or 5 times a power of ten.
+function niceMax(x) {
+  if (!(x > 0)) return 1;
+  const raw = x / 4, power = 10 ** Math.floor(Math.log10(raw));
+  const m = [1, 2, 2.5, 5, 10].find((k) => k * power >= raw);
+  return 4 * m * power;
+}
+
+function axes(svg, yMax, xLabels) {
+  const g = el("g", { class: "axis" });
+  const plotH = BOX.h - BOX.top - BOX.bottom;
+  for (let i = 0; i <= 4; i++) {
+    const y = BOX.top + plotH * (1 - i / 4);
+    g.append(el("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: y, y2: y }));
+    const v = (yMax * i) / 4;
+    g.append(el("text", { x: BOX.left - 6, y: y + 4, "text-anchor": "end" },
+                String(Number(v.toPrecision(3)))));
+  }
+  xLabels.forEach(([x, label]) => g.append(el("text", {
+    x, y: BOX.h - 8, "text-anchor": x > BOX.w - BOX.right - 20 ? "end" : "middle" }, label)));
+  svg.append(g);
+}
+
+function legend(svg, names) {
+  const g = el("g", { class: "legend" });
+  let x = BOX.left;
+  for (const name of names) {
+    g.append(el("rect", { x, y: 6, width: 10, height: 10, fill: colour(name) }));
+    g.append(el("text", { x: x + 14, y: 15 }, name));
+    x += 24 + name.length * 7;
+  }
+  svg.append(g);
+}
+
+function lineChart(svg, key) {
+  svg.replaceChildren();
+  const names = Object.keys(state.series);
+  const n = Math.max(1, ...names.map((t) => state.series[t][key].length));
+  const yMax = niceMax(Math.max(0, ...names.flatMap((t) => state.series[t][key])) * 1.1);
+  const plotW = BOX.w - BOX.left - BOX.right, plotH = BOX.h - BOX.top - BOX.bottom;
+  const xAt = (i) => BOX.left + (n === 1 ? plotW / 2 : (plotW * i) / (n - 1));
+  const yAt = (v) => BOX.top + plotH * (1 - v / yMax);
+  axes(svg, yMax, [[xAt(0), "run 1"], ...(n > 1 ? [[xAt(n - 1), `run ${n}`]] : [])]);
+  for (const name of names) {
+    const values = state.series[name][key];
+    const g = el("g", { class: "series", "data-target": name, "data-points": values.length });
+    if (values.length > 1) {
+      g.append(el("polyline", {
+        points: values.map((v, i) => `${xAt(i)},${yAt(v)}`).join(" "),
+        fill: "none", stroke: colour(name), "stroke-width": 2,
+      }));
+    }
+    values.forEach((v, i) => g.append(el("circle", { cx: xAt(i), cy: yAt(v), r: 3.5,
+                                                     fill: colour(name) })));
+    svg.append(g);
+  }
+  legend(svg, names);
+}
+
+function memoryChart(svg) {
+  svg.replaceChildren();
+  const names = Object.keys(state.series);
+  const last = (a) => (a.length ? a[a.length - 1] : 0);
+  const bars = names.map((t) => [t, last(state.series[t].peak), last(state.series[t].kv)]);
+  const yMax = niceMax(Math.max(0, ...bars.flatMap(([, p, k]) => [p, k])) * 1.1);
+  const plotW = BOX.w - BOX.left - BOX.right, plotH = BOX.h - BOX.top - BOX.bottom;
+  const slot = plotW / Math.max(1, names.length);
+  const yAt = (v) => BOX.top + plotH * (1 - v / yMax);
+  axes(svg, yMax, bars.map(([t], i) => [BOX.left + slot * (i + 0.5), t]));
+  bars.forEach(([name, peak, kv], i) => {
+    const g = el("g", { class: "series", "data-target": name,
+                        "data-points": state.series[name].peak.length });
+    const w = Math.min(40, slot / 3), x0 = BOX.left + slot * (i + 0.5) - w;
+    g.append(el("rect", { x: x0, y: yAt(peak), width: w - 2, height: yAt(0) - yAt(peak),
+                          fill: colour(name) }));
+    g.append(el("rect", { x: x0 + w, y: yAt(kv), width: w - 2, height: yAt(0) - yAt(kv),
+                          fill: colour(name), "fill-opacity": 0.45 }));
+    svg.append(g);
+  });
+  legend(svg, names);
+}
+
+function drawAll() {
+  lineChart($("chart-decode"), "decode");
+  lineChart($("chart-ttft"), "ttft");
+  memoryChart($("chart-memory"));
+}
+
+$("bench-form").addEventListener("submit", start);
+$("stop").addEventListener("click", () => controller && controller.abort());
+drawAll();
+loadModels().then(() => { state.ready = true; })
+  .catch((err) => setStatus(`Could not list models: ${err.message}`, true));

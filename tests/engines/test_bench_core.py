@@ -1,0 +1,97 @@
+"""The bench core: run order, statistics, prompts, and one run on each kind of target (duet's
+engines and the transformers / mlx-lm references) on a tiny random model."""
+
+import numpy as np
+import pytest
+
+from engines import bench_core as core
+from engines.fake import FakeEngine
+
+
+def test_plan_warms_up_first_then_interleaves_targets():
+    plan = core.plan_runs(["torch", "mlx"], n_prompts=3, repeats=2, warmup=2)
+    warm, measured = plan[:4], plan[4:]
+    assert all(r.warmup for r in warm) and not any(r.warmup for r in measured)
+    assert [r.target for r in warm] == ["torch", "mlx"] * 2
+    assert len(measured) == 2 * 3 * 2
+    assert [r.target for r in measured] == ["torch", "mlx"] * 6
+    for target in ("torch", "mlx"):
+        mine = [(r.repeat, r.prompt) for r in measured if r.target == target]
+        assert mine == [(rep, p) for rep in range(2) for p in range(3)]
+
+
+@pytest.mark.parametrize("values", [[5.0], [3.0, 1.0], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+def test_p90_is_the_inclusive_90th_percentile(values):
+    assert core.p90(values) == pytest.approx(np.percentile(values, 90))
+
+
+def _record(target, decode, ttft, warmup=False, peak=100):
+    return core.RunRecord(target, "engine", 0, 0, warmup, 10, 8, ttft, 10 / ttft, decode, peak,
+                          50, ttft + 7 / decode)
+
+
+def test_summary_ignores_warm_up_and_ratios_pairs_every_target():
+    records = [_record("a", 100.0, 0.1, warmup=True), _record("a", 10.0, 0.2),
+               _record("a", 20.0, 0.4), _record("a", 30.0, 0.3), _record("b", 5.0, 0.2),
+               _record("c", 40.0, 0.1, peak=0)]
+    s = core.summarize(["a", "b", "c", "d"], records, errors={"d": "it broke"})
+    a = s["targets"]["a"]
+    assert a["runs"] == 3 and a["decode_tokens_per_s"]["median"] == 20.0
+    assert a["ttft_s"]["median"] == 0.3 and a["ttft_s"]["p90"] == pytest.approx(0.38)
+    assert s["targets"]["d"] == {"runs": 0, "error": "it broke"}
+    assert list(s["ratios"]) == ["a / b", "a / c", "b / c"]
+    assert s["ratios"]["a / b"]["decode_tokens_per_s"] == pytest.approx(4.0)
+    assert s["ratios"]["a / b"]["ttft_s"] == pytest.approx(1.5)
+    assert s["ratios"]["a / c"]["peak_memory_bytes"] is None
+
+
+def test_presets_and_explicit_prompts():
+    assert set(core.PRESETS) == {"short", "long", "chat"}
+    engine = FakeEngine()
+    long_ids = [p.token_ids(engine) for p in core.PRESETS["long"]]
+    short_ids = [p.token_ids(engine) for p in core.PRESETS["short"]]
+    assert min(map(len, long_ids)) > 5 * max(map(len, short_ids))
+    chat = core.PRESETS["chat"][0].token_ids(engine)
+    assert bytes(chat).decode() == engine.tokenizer.decode(
+        engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    mine = core.resolve_prompts("long", ["one", "two"])
+    assert [p.text for p in mine] == ["one", "two"]
+    with pytest.raises(ValueError, match="unknown preset"):
+        core.resolve_prompts("huge", None)
+
+
+def test_engine_run_is_greedy_fixed_length_and_runs_past_end_of_sequence():
+    params = core.bench_params(12)
+    assert params.greedy and params.ignore_eos and params.max_tokens == 12
+    engine = FakeEngine(reply="ab")  # its script ends with end-of-sequence after 2 bytes
+    stats = core.engine_run(engine, [1, 2, 3], 12)
+    # The end-of-sequence token did not stop it: only the fake's script ran out.
+    assert stats.finish_reason == "length" and stats.completion_tokens == 3
+    assert core.engine_run(FakeEngine(reply="x" * 50), [1], 12).completion_tokens == 12
+    stopped = core.engine_run(FakeEngine(reply="x" * 50), [1], 40, should_stop=lambda: True)
+    assert stopped.finish_reason == "cancelled" and stopped.completion_tokens == 1
+
+
+@pytest.mark.parametrize("name", ["transformers", "mlx-lm"])
+def test_reference_runs_on_a_tiny_model(tiny_dirs, name):
+    if name == "mlx-lm":
+        pytest.importorskip("mlx_lm")
+    path, _ = tiny_dirs["llama"]
+    ref = core.ReferenceTarget(name, device="cpu")
+    info = ref.setup(path, "float32", 128)
+    assert info["device"] == "cpu" and info["dtype"] == "float32"
+    assert name.split("-")[0] in info["backend_version"]
+    run = core.PlannedRun(name, 1, 2, False)
+    record = ref.run(run, [5, 70, 80, 90, 33], 6)
+    assert (record.target, record.kind, record.prompt, record.repeat) == (name, "reference", 1, 2)
+    assert record.prompt_tokens == 5 and record.completion_tokens == 6
+    assert record.ttft_s > 0 and record.decode_tokens_per_s > 0 and record.peak_memory_bytes > 0
+    assert record.total_s >= record.ttft_s and record.kv_cache_bytes is None
+    ref.close()
+
+
+def test_device_label_names_the_hardware():
+    assert "CPU" in core.device_label("cpu")
+    assert "GPU" in core.device_label("metal")
+    env = core.environment()
+    assert "CPU cores" in env["host"] and {"python", "torch"} <= set(env["versions"])
