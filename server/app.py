@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from engines.config import load_models_file
 
+from .classify_service import ClassificationService
 from .errors import install_error_handlers
 from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
 from .routes import router
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.settings = settings
     app.state.registry = registry
     app.state.service = GenerationService(registry)
+    app.state.classifier = ClassificationService(registry, settings)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
     install_error_handlers(app)

@@ -37,3 +37,12 @@ class Settings(BaseSettings):
     )
     preload: bool = Field(True, description="Load the start-up model before accepting requests")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_classification_inputs: int = Field(
+        256, ge=1, le=100_000, description="POST /v1/classifications: most inputs per request"
+    )
+    max_classification_labels: int = Field(
+        32, ge=2, le=1000, description="POST /v1/classifications: most labels per request"
+    )
+    max_label_chars: int = Field(
+        100, ge=1, le=10_000, description="POST /v1/classifications: longest label, in characters"
+    )

@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from . import chat, completions, health, models
+from . import chat, classifications, completions, health, models
 
 router = APIRouter()
-for module in (health, models, chat, completions):
+for module in (health, models, chat, completions, classifications):
     router.include_router(module.router)
