@@ -54,6 +54,49 @@ class RequestStats:
 
 GenerationEvent = Step | RequestStats
 
+LabelScoring = Literal["sum", "mean"]
+
+
+@dataclass(frozen=True)
+class ContinuationScores:
+    """Log-probabilities of every continuation's tokens after every prompt:
+    token_logprobs[prompt][continuation][token]. Times cover the engine's work only."""
+
+    token_logprobs: tuple[tuple[tuple[float, ...], ...], ...]
+    prefill_s: float
+    score_s: float
+
+
+@dataclass(frozen=True)
+class ClassifyParams:
+    """One classification request. Zero-shot (a generation model) needs labels; a
+    sequence-classification checkpoint has its own and takes none."""
+
+    inputs: tuple[str, ...]
+    labels: tuple[str, ...] = ()
+    instruction: str | None = None
+    calibrate: bool = True
+    label_scoring: LabelScoring = "sum"
+
+
+@dataclass(frozen=True)
+class LabelScore:
+    label: str
+    probability: float
+    logprob: float  # the label's own score before normalising over the labels
+
+
+@dataclass(frozen=True)
+class InputClassification:
+    label: str
+    scores: tuple[LabelScore, ...]
+
+
+@dataclass(frozen=True)
+class ClassificationResult:
+    results: tuple[InputClassification, ...]
+    stats: RequestStats
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -115,5 +158,15 @@ class Engine(Protocol):
     def logits(self, prompt_ids: Sequence[int]) -> "object":
         """Next-token logits for every prompt position, as a float32 numpy array [T, vocab]."""
         ...
+
+    def score_continuations(
+        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+    ) -> ContinuationScores:
+        """Every continuation's token log-probabilities after every prompt. The prompts' shared
+        prefix is prefilled once, each prompt once, and its continuations run as one batch on
+        its KV cache."""
+        ...
+
+    def classify(self, params: ClassifyParams) -> ClassificationResult: ...
 
     def close(self) -> None: ...

@@ -6,7 +6,14 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SOURCE_KINDS = ("package", "path", "hf", "dummy")
 
@@ -30,8 +37,23 @@ class ModelSpec(BaseModel):
     engine: Literal["torch", "mlx", "auto"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     context_length: int = Field(default=4096, ge=16, le=1 << 20)
-    task: Literal["generate", "classify"] = "generate"
+    task: Literal["generate", "classify"] = Field(
+        "generate",
+        description=(
+            "generate: a causal LM for chat and text completions (and zero-shot "
+            "classification); classify: a *ForSequenceClassification checkpoint"
+        ),
+    )
     description: str = ""
+
+    @model_validator(mode="after")
+    def _classify_runs_on_torch(self) -> "ModelSpec":
+        if self.task == "classify" and self.engine == "mlx":
+            raise ValueError("task 'classify' models run on the torch engine: set engine to "
+                             "torch or auto")
+        if self.task == "classify" and self.source_kind == "dummy":
+            raise ValueError("task 'classify' needs a real checkpoint, not a dummy: source")
+        return self
 
     @field_validator("source")
     @classmethod

@@ -6,7 +6,7 @@ import importlib.util
 import platform
 from pathlib import Path
 
-from .base import BackendMissing, Engine
+from .base import BackendMissing, Engine, UnsupportedModel
 
 ENGINE_NAMES = ("torch", "mlx")
 # engine -> (module that must be importable, pyproject extra that installs it)
@@ -50,10 +50,21 @@ def create_engine(
     *,
     context_length: int,
     dtype: str = "auto",
+    task: str = "generate",
     **torch_options,
 ) -> Engine:
-    """torch_options (device, compile, mps_memory_fraction) go to the torch engine only."""
+    """torch_options (device, compile, mps_memory_fraction) go to the torch engine only.
+    A classify model (a sequence-classification checkpoint) runs on the torch engine only."""
     require_backend(name)
+    if task == "classify":
+        if name != "torch":
+            raise UnsupportedModel("classify models (sequence-classification checkpoints) run on "
+                                   "the torch engine only")
+        from .torch_engine.classifier import SequenceClassifierEngine
+
+        return SequenceClassifierEngine(
+            model_dir, context_length=context_length, dtype=dtype, **torch_options
+        )
     if name == "torch":
         from .torch_engine import TorchEngine
 

@@ -6,10 +6,20 @@ reply is scripted, and a per-token delay lets tests observe queuing.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 
-from .base import EngineInfo, SamplingParams
+from .base import (
+    ClassificationResult,
+    ClassifyParams,
+    ContinuationScores,
+    EngineInfo,
+    InputClassification,
+    LabelScore,
+    RequestStats,
+    SamplingParams,
+)
 from .generation import MemoryMeter, TokenLoopEngine
 
 EOS = 256
@@ -24,9 +34,11 @@ class ByteTokenizer:
 
     encode_prompt = encode
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
-        return self.encode(text + "<assistant>")
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -66,10 +78,61 @@ class FakeEngine(TokenLoopEngine):
             self.trace.append((request_no, token))
             yield token
 
+    def score_continuations(self, prompts, continuations) -> ContinuationScores:
+        """Every token costs -1; a continuation gains 3 for each time its text (its bytes up
+        to the newline the template adds) occurs in the prompt, on its first token. So a label
+        named in the text wins, and the label list every prompt carries calibrates away."""
+        out = []
+        for n, prompt in enumerate(prompts):
+            self.calls.append(list(prompt))
+            if self.token_delay_s:
+                time.sleep(self.token_delay_s)
+            self.trace.append((len(self.calls) - 1, "score"))
+            text = bytes(prompt).decode("utf-8", errors="replace")
+            rows = []
+            for cont in continuations:
+                label = bytes(t for t in cont if t < 256).decode("utf-8", "replace").strip()
+                bonus = 3.0 * text.count(label) if label else 0.0
+                rows.append(tuple([-1.0 + bonus] + [-1.0] * (len(cont) - 1)))
+            out.append(tuple(rows))
+        return ContinuationScores(tuple(out), prefill_s=1e-3, score_s=1e-3)
+
     def logits(self, prompt_ids: Sequence[int]):
         import numpy as np
 
         return np.zeros((len(prompt_ids), self.tokenizer.vocab_size), dtype=np.float32)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeClassifier:
+    """A stand-in for a sequence-classification checkpoint: texts with a '!' are 'positive'
+    with probability 0.9, the rest 'negative' with 0.8."""
+
+    labels = ("negative", "positive")
+
+    def __init__(self, name: str = "torch"):
+        self.name = name
+        self.calls: list[ClassifyParams] = []
+        self.info = EngineInfo(engine=name, device="cpu", dtype="none", context_length=512,
+                               backend_version="fake 0", extra={"task": "classify"})
+
+    def classify(self, params: ClassifyParams) -> ClassificationResult:
+        self.calls.append(params)
+        results = []
+        for text in params.inputs:
+            p_pos = 0.9 if "!" in text else 0.2
+            probs = (1.0 - p_pos, p_pos)
+            scores = tuple(LabelScore(l, p, math.log(p)) for l, p in zip(self.labels, probs))
+            results.append(InputClassification(self.labels[probs.index(max(probs))], scores))
+        tokens = sum(len(t.encode()) for t in params.inputs)
+        stats = RequestStats(
+            prompt_tokens=tokens, completion_tokens=0, ttft_s=1e-3, prefill_tokens_per_s=tokens / 1e-3,
+            decode_tokens_per_s=0.0, peak_memory_bytes=1, kv_cache_bytes=0, engine=self.name,
+            device="cpu", finish_reason="stop", total_s=1e-3,
+        )
+        return ClassificationResult(tuple(results), stats)
 
     def close(self) -> None:
         pass

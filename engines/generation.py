@@ -10,7 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from .base import ContextLengthExceeded, GenerationEvent, RequestStats, SamplingParams, Step
+from .base import (
+    ClassificationResult,
+    ClassifyParams,
+    ContextLengthExceeded,
+    GenerationEvent,
+    RequestStats,
+    SamplingParams,
+    Step,
+)
 from .tokenizer import ChatTokenizer, IncrementalDetokenizer, StopMatcher
 
 
@@ -129,6 +137,11 @@ class TokenLoopEngine:
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages)
+
+    def classify(self, params: ClassifyParams) -> ClassificationResult:
+        from .classify import zero_shot
+
+        return zero_shot(self, params)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.context_length:

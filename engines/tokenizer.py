@@ -41,11 +41,14 @@ class ChatTokenizer:
         ids = self._tok.encode(text, add_special_tokens=True)
         return list(ids)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions instead")
         out = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+            return_dict=False,
         )
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]

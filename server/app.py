@@ -14,6 +14,7 @@ from engines.config import load_models_file
 
 from .auth import APIKeyMiddleware
 from .bench import STATIC_DIR, BenchService
+from .classify_service import ClassificationService
 from .errors import install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
@@ -56,6 +57,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.service = GenerationService(registry, observer=metrics)
+    app.state.classifier = ClassificationService(registry, settings)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
     app.state.bench = BenchService(registry, settings, startup_model)

@@ -47,7 +47,8 @@ class BackendEngineFactory:
         model_dir = resolve_model_dir(spec)
         options = self.torch_options if name == "torch" else {}
         return create_engine(
-            name, model_dir, context_length=spec.context_length, dtype=spec.dtype, **options
+            name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
+            task=spec.task, **options,
         )
 
 
@@ -65,7 +66,7 @@ class ModelRegistry:
         self._worker_options = {"max_queue": max_queue, "timeout_s": request_timeout_s}
         self.factory = factory
         self._default_engine = {
-            s.id: resolve_engine_name((engine_override or {}).get(s.id, s.engine)) for s in specs
+            s.id: _default_engine(s, (engine_override or {}).get(s.id, s.engine)) for s in specs
         }
         self._workers: dict[tuple[str, str], EngineWorker] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
@@ -136,6 +137,13 @@ class ModelRegistry:
         for worker in self._workers.values():
             worker.close()
         self._workers.clear()
+
+
+def _default_engine(spec: ModelSpec, requested: str) -> str:
+    # Sequence-classification checkpoints run on the torch engine only, wherever we are.
+    if spec.task == "classify" and requested == "auto":
+        return "torch"
+    return resolve_engine_name(requested)
 
 
 def default_model_id(specs: list[ModelSpec], requested: str | None) -> str:

@@ -78,6 +78,16 @@ class Settings(BaseSettings):
     bench_max_warmup: int = Field(5, ge=0, description="/bench: most warm-up runs per engine")
     bench_max_prompts: int = Field(8, ge=1, description="/bench: most prompts per run")
 
+    max_classification_inputs: int = Field(
+        256, ge=1, le=100_000, description="POST /v1/classifications: most inputs per request"
+    )
+    max_classification_labels: int = Field(
+        32, ge=2, le=1000, description="POST /v1/classifications: most labels per request"
+    )
+    max_label_chars: int = Field(
+        100, ge=1, le=10_000, description="POST /v1/classifications: longest label, in characters"
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _comma_separated(cls, value):

@@ -112,6 +112,11 @@ class MLXEngine(TokenLoopEngine):
         out = self.model(mx.array([list(prompt_ids)]))
         return np.array(out[0].astype(mx.float32))
 
+    def score_continuations(self, prompts, continuations):
+        from .scoring import score_continuations
+
+        return score_continuations(self.model, prompts, continuations)
+
     def close(self) -> None:
         self.model = None
         self._cache = []

@@ -104,6 +104,11 @@ class TorchEngine(TokenLoopEngine):
         tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         return self.model(tokens, 0)[0].float().cpu().numpy()
 
+    def score_continuations(self, prompts, continuations):
+        from .scoring import score_continuations
+
+        return score_continuations(self.model, prompts, continuations, self.device)
+
     def _kv_cache_bytes(self) -> int:
         return self.model.kv_cache_bytes
 

@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from . import bench, chat, completions, health, metrics, models
+from . import bench, chat, classifications, completions, health, metrics, models
 
 router = APIRouter()
-for module in (health, metrics, models, chat, completions, bench):
+for module in (health, metrics, models, chat, completions, classifications, bench):
     router.include_router(module.router)

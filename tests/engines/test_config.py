@@ -86,3 +86,10 @@ def test_hf_cache_snapshot_is_found_offline(tmp_path, monkeypatch):
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     assert resolve_model_dir(ModelSpec(id="h", source="hf:Org/tiny"), tmp_path) == snap
+
+
+def test_classify_task_must_run_on_torch(tmp_path):
+    with pytest.raises(ConfigError, match=r"models\[0\] \(id 'a'\).*torch"):
+        load_models_file(write(tmp_path, GOOD + 'task = "classify"\nengine = "mlx"\n'))
+    (spec,) = load_models_file(write(tmp_path, GOOD + 'task = "classify"\n'))
+    assert spec.task == "classify"

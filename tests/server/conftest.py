@@ -1,7 +1,7 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.fake import FakeEngine
+from engines.fake import FakeClassifier, FakeEngine
 from server.app import create_app
 from server.settings import Settings
 
@@ -31,6 +31,10 @@ class FakeFactory:
         return name in self._available
 
     def create(self, name, spec):
+        if spec.task == "classify":
+            engine = FakeClassifier(name)
+            self.engines[f"{spec.id}-{name}"] = engine
+            return engine
         engine = FakeEngine(name, context_length=spec.context_length, **self.engine_kwargs)
         self.engines[name] = engine
         return engine

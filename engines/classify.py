@@ -1,0 +1,158 @@
+"""Zero-shot classification by likelihood, the same on every engine.
+
+Each label is scored as the assistant's whole reply under the model's chat template: the sum
+of the log-probabilities of its tokens, the end-of-turn token included (so "positive" must be
+the entire answer, not the start of a longer one). Probabilities are a softmax over the
+labels' scores. With calibration on (the default) two biases of small models are removed:
+the labels are listed in the prompt in the given order and in reverse and each label's score
+is averaged over both (position bias), and the labels are also scored for a content-free
+input, an empty text, whose prior is divided out (contextual calibration, Zhao et al. 2021,
+"Calibrate Before Use"): small models lean towards some labels whatever the text says.
+
+The engine only supplies score_continuations(); prompt building, label tokenisation,
+normalisation and timing live here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from .base import (
+    ClassificationResult,
+    ClassifyParams,
+    ContextLengthExceeded,
+    InputClassification,
+    LabelScore,
+    RequestStats,
+    UnsupportedModel,
+)
+
+CONTENT_FREE_INPUT = ""
+DEFAULT_INSTRUCTION = "Classify the text."
+
+
+def user_message(instruction: str | None, labels: Sequence[str], text: str) -> str:
+    return (
+        f"{instruction or DEFAULT_INSTRUCTION}\n"
+        f"Answer with exactly one of these labels: {', '.join(labels)}.\n\n"
+        f"Text: {text}"
+    )
+
+
+def _prompt(engine, instruction: str | None, labels: Sequence[str], text: str) -> list[int]:
+    messages = [{"role": "user", "content": user_message(instruction, labels, text)}]
+    return engine.tokenizer.apply_chat_template(messages)
+
+
+def label_continuations(engine, instruction: str | None, labels: Sequence[str]) -> list[list[int]]:
+    """Each label's tokens as the template writes an assistant reply, up to and including the
+    end-of-turn token. Rendered with the content-free input; what follows the generation
+    prompt does not depend on the text being classified."""
+    tok = engine.tokenizer
+    user = {"role": "user", "content": user_message(instruction, labels, CONTENT_FREE_INPUT)}
+    prompt = tok.apply_chat_template([user])
+    out = []
+    for label in labels:
+        full = tok.apply_chat_template(
+            [user, {"role": "assistant", "content": label}], add_generation_prompt=False
+        )
+        if full[: len(prompt)] != prompt:
+            # A template that rewrites earlier turns once a reply follows (rare): score the
+            # label's own tokens and the end of sequence.
+            end = min(tok.eos_token_ids) if tok.eos_token_ids else None
+            out.append(tok.encode(label) + ([end] if end is not None else []))
+            continue
+        reply = full[len(prompt) :]
+        cut = next((i for i, t in enumerate(reply) if t in tok.eos_token_ids), len(reply) - 1)
+        out.append(reply[: cut + 1])
+    if any(not c for c in out):
+        raise UnsupportedModel("the chat template renders an empty reply for a label")
+    return out
+
+
+def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, leaving each prompt at least one token of its own
+    (its last token's logits score the first continuation token). Engines prefill it once."""
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    first = prompts[0]
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
+def right_pad(tokens: Sequence[int], width: int) -> list[int]:
+    return list(tokens) + [0] * (width - len(tokens))
+
+
+def _softmax(scores: Sequence[float]) -> list[float]:
+    top = max(scores)
+    exps = [math.exp(s - top) for s in scores]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def _label_score(logprobs: Sequence[float], scoring: str) -> float:
+    total = float(sum(logprobs))
+    return total / len(logprobs) if scoring == "mean" else total
+
+
+def zero_shot(engine, params: ClassifyParams) -> ClassificationResult:
+    if not params.labels:
+        raise ValueError("zero-shot classification needs labels")
+    if not getattr(engine.tokenizer, "has_chat_template", True):
+        raise UnsupportedModel("this model has no chat template, which zero-shot scoring needs")
+    start = time.perf_counter()
+    engine._meter.reset()
+    labels, n = params.labels, len(params.labels)
+    texts = list(params.inputs) + ([CONTENT_FREE_INPUT] if params.calibrate else [])
+    # Calibrating also lists the labels in reverse: a small model favours whichever label the
+    # prompt names first, and averaging over both listings cancels that.
+    listings = [labels, labels[::-1]] if params.calibrate and n > 1 else [labels]
+    prompts = [_prompt(engine, params.instruction, order, t) for order in listings for t in texts]
+    continuations = label_continuations(engine, params.instruction, labels)
+    longest = max(len(c) for c in continuations)
+    for p in prompts:
+        if len(p) + longest > engine.context_length:
+            raise ContextLengthExceeded(len(p), longest, engine.context_length)
+
+    scored = engine.score_continuations(prompts, continuations)
+    engine._meter.sample()
+    per_prompt = [
+        [_label_score(lp, params.label_scoring) for lp in row] for row in scored.token_logprobs
+    ]
+    raw = [
+        [sum(per_prompt[k * len(texts) + i][j] for k in range(len(listings))) / len(listings)
+         for j in range(n)]
+        for i in range(len(texts))
+    ]
+    prior = raw.pop() if params.calibrate else [0.0] * n
+    results = []
+    for scores in raw:
+        # Dividing the probabilities by the content-free ones is subtracting their log-scores;
+        # softmax's own normalisers cancel.
+        probs = _softmax([s - p for s, p in zip(scores, prior)])
+        best = max(range(n), key=probs.__getitem__)
+        results.append(InputClassification(
+            label=labels[best],
+            scores=tuple(LabelScore(l, pr, s) for l, pr, s in zip(labels, probs, scores)),
+        ))
+    prompt_tokens = sum(len(p) for p in prompts)
+    label_tokens = len(prompts) * sum(len(c) for c in continuations)
+    total = time.perf_counter() - start
+    stats = RequestStats(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=label_tokens,
+        ttft_s=scored.prefill_s,
+        prefill_tokens_per_s=prompt_tokens / scored.prefill_s if scored.prefill_s > 0 else 0.0,
+        decode_tokens_per_s=label_tokens / scored.score_s if scored.score_s > 0 else 0.0,
+        peak_memory_bytes=engine._meter.peak_bytes(),
+        kv_cache_bytes=engine._kv_cache_bytes(),
+        engine=engine.name,
+        device=engine.device,
+        finish_reason="stop",
+        total_s=total,
+    )
+    return ClassificationResult(tuple(results), stats)

@@ -1,0 +1,72 @@
+"""Scoring continuations with mlx-lm's model and KV cache, the way the torch engine does: the
+prompts' shared prefix once, each prompt's tail once (trimming the cache back to the prefix
+after it), then all continuations as one batch on a broadcast copy of that prompt's cache.
+Right padding needs no mask: under the causal mask only later padding sees it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from ..base import ContinuationScores, UnsupportedModel
+from ..classify import right_pad, shared_prefix_len
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _batched(cache: list, prompt_len: int, batch: int) -> list:
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in cache:
+        copy = KVCache()
+        k, v = c.keys[..., :prompt_len, :], c.values[..., :prompt_len, :]
+        copy.keys = mx.broadcast_to(k, (batch, *k.shape[1:]))
+        copy.values = mx.broadcast_to(v, (batch, *v.shape[1:]))
+        copy.offset = prompt_len
+        out.append(copy)
+    return out
+
+
+def score_continuations(
+    model, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+) -> ContinuationScores:
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if not all(type(c) is KVCache for c in cache):
+        raise UnsupportedModel("scoring needs a plain KV cache; this model uses another kind")
+    score_s = 0.0
+    started = time.perf_counter()
+    shared = shared_prefix_len(prompts)
+    if shared:
+        model(mx.array([list(prompts[0][:shared])]), cache=cache)
+        mx.eval([(c.keys, c.values) for c in cache])
+    batch = len(continuations)
+    width = max(len(c) for c in continuations) - 1
+    inputs = mx.array([right_pad(c[:-1], width) for c in continuations])
+    targets = mx.array([right_pad(c[1:], width) for c in continuations])
+    firsts = mx.array([c[0] for c in continuations])
+    out = []
+    for prompt in prompts:
+        last = model(mx.array([list(prompt[shared:])]), cache=cache)[0, -1]
+        scores = _log_softmax(last)[firsts][:, None]
+        mx.eval(scores)
+        t1 = time.perf_counter()
+        if width > 0:
+            logits = model(inputs, cache=_batched(cache, len(prompt), batch))
+            rest = mx.take_along_axis(_log_softmax(logits), targets[..., None], axis=-1)
+            scores = mx.concatenate([scores, rest[..., 0]], axis=1)
+        values = scores.tolist()
+        out.append(tuple(tuple(v[: len(c)]) for v, c in zip(values, continuations)))
+        for c in cache:
+            c.trim(c.offset - shared)
+        score_s += time.perf_counter() - t1
+    prefill_s = time.perf_counter() - started - score_s
+    return ContinuationScores(tuple(out), prefill_s, score_s)
+

@@ -1,0 +1,98 @@
+"""Classification requests -> one call on the engine's worker -> the response object.
+
+The call queues on the same worker thread as generation, so it waits its turn behind earlier
+requests and never interleaves with them."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from engines.base import ClassifyParams, EngineError, UnsupportedModel
+from engines.config import ModelSpec
+
+from .classify_protocol import ClassificationRequest, classification_response
+from .errors import bad_request, from_engine_error
+from .registry import ModelRegistry
+from .settings import Settings
+
+_ZERO_SHOT_ONLY = ("labels", "instruction", "calibrate", "label_scoring")
+
+
+class ClassificationService:
+    def __init__(self, registry: ModelRegistry, settings: Settings):
+        self.registry = registry
+        self.settings = settings
+
+    async def classify(self, req: ClassificationRequest) -> JSONResponse:
+        spec = self.registry.spec(req.model)
+        params = self._params(req, spec)
+        try:
+            worker = await self.registry.worker(spec.id, req.engine)
+            result = await worker.run(worker.engine.classify, params)
+        except UnsupportedModel as exc:
+            raise bad_request(f"model '{spec.id}': {exc}", param="model") from exc
+        except EngineError as exc:
+            raise from_engine_error(exc, "input") from exc
+        return JSONResponse(classification_response(spec.id, result))
+
+    def _params(self, req: ClassificationRequest, spec: ModelSpec) -> ClassifyParams:
+        inputs = self._inputs(req)
+        if spec.task == "classify":
+            for name in _ZERO_SHOT_ONLY:
+                if getattr(req, name) is not None:
+                    raise bad_request(
+                        f"model '{spec.id}' is a classifier with its own labels; '{name}' is "
+                        f"for zero-shot classification with a generation model", param=name,
+                    )
+            if req.engine == "mlx":
+                raise bad_request(f"classify model '{spec.id}' runs on the torch engine only",
+                                  param="engine")
+            return ClassifyParams(inputs=inputs)
+        if req.labels is None:
+            raise bad_request(
+                f"model '{spec.id}' is a generation model: zero-shot classification needs "
+                f"'labels'", param="labels",
+            )
+        return ClassifyParams(
+            inputs=inputs,
+            labels=self._labels(req.labels),
+            instruction=(req.instruction or "").strip() or None,
+            calibrate=True if req.calibrate is None else req.calibrate,
+            label_scoring=req.label_scoring or "sum",
+        )
+
+    def _inputs(self, req: ClassificationRequest) -> tuple[str, ...]:
+        texts = req.texts()
+        if not texts:
+            raise bad_request("input must not be empty", param="input")
+        cap = self.settings.max_classification_inputs
+        if len(texts) > cap:
+            raise bad_request(f"at most {cap} inputs per request (got {len(texts)})", param="input")
+        for i, text in enumerate(texts):
+            if not text.strip():
+                where = "input" if isinstance(req.input, str) else f"input[{i}]"
+                raise bad_request("an input text must not be empty", param=where)
+        return tuple(texts)
+
+    def _labels(self, labels: list[str]) -> tuple[str, ...]:
+        cap, longest = self.settings.max_classification_labels, self.settings.max_label_chars
+        if len(labels) < 2:
+            raise bad_request("give at least 2 labels to choose from", param="labels")
+        if len(labels) > cap:
+            raise bad_request(f"at most {cap} labels per request (got {len(labels)})", param="labels")
+        seen: dict[str, int] = {}
+        out = []
+        for i, raw in enumerate(labels):
+            label = raw.strip()
+            if not label:
+                raise bad_request("a label must not be empty", param=f"labels[{i}]")
+            if len(label) > longest:
+                raise bad_request(f"a label may have at most {longest} characters",
+                                  param=f"labels[{i}]")
+            key = label.casefold()
+            if key in seen:
+                raise bad_request(f"label '{label}' repeats labels[{seen[key]}]",
+                                  param=f"labels[{i}]")
+            seen[key] = i
+            out.append(label)
+        return tuple(out)

@@ -1,0 +1,96 @@
+"""Zero-shot scoring on tiny random models: the torch engine against a plain transformers
+forward pass of prompt + label, and the MLX engine against the torch engine."""
+
+import numpy as np
+import pytest
+import torch
+
+from engines.base import ClassifyParams
+from engines.classify import shared_prefix_len
+from engines.torch_engine import TorchEngine
+
+# Prompts that share a prefix and differ in length; continuations of 1 to 4 tokens.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 40, 41], [5, 6, 7, 8, 9, 12, 13, 14, 15], [90, 91]]
+CONTINUATIONS = [[20], [21, 22, 23, 24], [25, 26]]
+
+
+def reference_logprobs(model, prompt, continuation):
+    """One full forward pass of prompt + continuation: no cache, no batching, no padding."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + continuation])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[len(prompt) - 1 + k, t].item() for k, t in enumerate(continuation)]
+
+
+def test_shared_prefix_leaves_every_prompt_a_token():
+    assert shared_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
+    assert shared_prefix_len([[1, 2], [1, 2, 3]]) == 1
+    assert shared_prefix_len([[1, 2, 3]]) == 2
+    assert shared_prefix_len([[1], [2]]) == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_torch_scores_match_a_transformers_forward_pass(tiny_dirs, family):
+    path, reference = tiny_dirs[family]
+    engine = TorchEngine(path, context_length=64, dtype="float32", device="cpu")
+    scored = engine.score_continuations(PROMPTS, CONTINUATIONS)
+    for i, prompt in enumerate(PROMPTS):
+        for j, cont in enumerate(CONTINUATIONS):
+            np.testing.assert_allclose(
+                scored.token_logprobs[i][j], reference_logprobs(reference, prompt, cont),
+                atol=2e-5, rtol=1e-4,
+            )
+    assert scored.prefill_s > 0 and scored.score_s > 0
+
+
+def test_scoring_leaves_generation_intact(tiny_dirs):
+    from engines.base import SamplingParams, Step
+
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=64, dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = lambda: [e.token_id for e in engine.generate(PROMPTS[0], params) if isinstance(e, Step)]
+    before = ids()
+    engine.score_continuations(PROMPTS, CONTINUATIONS)
+    assert ids() == before
+
+
+def test_zero_shot_probabilities_and_stats(tiny_dirs):
+    engine = TorchEngine(tiny_dirs["smollm"][0], context_length=256, dtype="float32", device="cpu")
+    params = ClassifyParams(inputs=("I love it", "awful!"), labels=("good", "bad", "so-so"))
+    result = engine.classify(params)
+    for r in result.results:
+        probs = [s.probability for s in r.scores]
+        assert sum(probs) == pytest.approx(1.0) and r.label == r.scores[int(np.argmax(probs))].label
+    stats = result.stats
+    # 2 inputs + the content-free one, each with the labels in two orders
+    assert stats.prompt_tokens > 0 and stats.completion_tokens > 0
+    assert stats.engine == "torch" and stats.total_s > 0 and stats.peak_memory_bytes > 0
+    uncalibrated = engine.classify(ClassifyParams(inputs=params.inputs, labels=params.labels,
+                                                  calibrate=False))
+    assert uncalibrated.stats.prompt_tokens < stats.prompt_tokens
+    assert [s.probability for s in uncalibrated.results[0].scores] != [
+        s.probability for s in result.results[0].scores]
+
+
+def test_mlx_and_torch_probabilities_agree(tiny_dirs):
+    pytest.importorskip("mlx_lm", reason="the mlx extra is installed by scripts/setup.sh")
+    from engines.mlx_engine import MLXEngine
+
+    path = tiny_dirs["llama"][0]
+    torch_engine = TorchEngine(path, context_length=256, dtype="float32", device="cpu")
+    mlx_engine = MLXEngine(path, context_length=256, dtype="float32")
+    np.testing.assert_allclose(
+        np.array(mlx_engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs[0][1]),
+        np.array(torch_engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs[0][1]),
+        atol=1e-4,
+    )
+    for scoring in ("sum", "mean"):
+        params = ClassifyParams(inputs=("I love it", "awful!", "meh"),
+                                labels=("good", "bad", "somewhere in between"),
+                                label_scoring=scoring)
+        a, b = torch_engine.classify(params), mlx_engine.classify(params)
+        for ra, rb in zip(a.results, b.results):
+            assert ra.label == rb.label
+            np.testing.assert_allclose([s.probability for s in ra.scores],
+                                       [s.probability for s in rb.scores], atol=1e-3)
+        assert a.stats.prompt_tokens == b.stats.prompt_tokens
