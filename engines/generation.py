@@ -83,10 +83,10 @@ def stream_steps(
     if not stops.stopped:
         # Release what the detokenizer and the stop matcher still hold back.
         tail = stops.feed(detok.flush())
+        if not stops.stopped:
+            tail += stops.flush()
         if stops.stopped:
             finish = "stop"
-        else:
-            tail += stops.flush()
     yield Step(last_token, tail, finish)
     decode_s = last_at - first_at
     ttft = first_at - start

@@ -100,22 +100,24 @@ class StopMatcher:
         self._held = ""
         self.stopped = False
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, final: bool = False) -> str:
         if not self._stops:
             return text
         buf = self._held + text
         cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # Where the earliest stop that may still complete begins: a complete stop only wins
+        # once no other stop starting before it can still arrive.
+        pending = len(buf) if final else len(buf) - self._longest_partial(buf)
+        if 0 <= cut <= pending:
             self._held = ""
             self.stopped = True
             return buf[:cut]
-        keep = self._longest_partial(buf)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep]
+        self._held = buf[pending:]
+        return buf[:pending]
 
     def flush(self) -> str:
-        out, self._held = self._held, ""
-        return out
+        """The end of the text: release what was held back, up to a stop if one completed."""
+        return self.feed("", final=True)
 
     def _longest_partial(self, buf: str) -> int:
         best = 0

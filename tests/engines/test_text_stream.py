@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings, on a real byte-level BPE tokenizer."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engines.base import RequestStats, SamplingParams, Step
@@ -42,6 +42,7 @@ def test_detokenizer_round_trips_any_text(text):
     stops=st.lists(st.text(alphabet="abcXY🙂", min_size=1, max_size=4), min_size=1, max_size=4),
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=10),
 )
+@example(text="XXaX", stops=["a", "XaX"], cuts=[3])  # a later-starting stop completes first
 @settings(max_examples=300, deadline=None)
 def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(text, stops, cuts):
     pieces, last = [], 0
