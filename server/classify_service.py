@@ -28,7 +28,7 @@ class ClassificationService:
         params = self._params(req, spec)
         try:
             worker = await self.registry.worker(spec.id, req.engine)
-            result = await worker.run(worker.engine.classify, params)
+            result = await worker.call(worker.engine.classify, params)
         except UnsupportedModel as exc:
             raise bad_request(f"model '{spec.id}': {exc}", param="model") from exc
         except EngineError as exc:

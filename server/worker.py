@@ -43,6 +43,26 @@ class EngineWorker:
         """Run fn on the engine's thread, after every request queued before it."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn on the engine's thread as one admitted request (a classification): it counts
+        against the queue bound like a generation, and in the queue depth."""
+        started = self._admit()
+        try:
+            return await self.run(fn, *args)
+        finally:
+            self._release(started)
+
+    def _admit(self) -> float:
+        if self.pending > self.max_queue:
+            retry = min(60, max(1, math.ceil(self._mean_s * (self.pending - self.max_queue))))
+            raise queue_full(self.label, self.pending - 1, retry)
+        self.pending += 1
+        return time.monotonic()
+
+    def _release(self, started: float) -> None:
+        self.pending -= 1
+        self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - started)
+
     async def load(self, make: Callable[[], Engine]) -> Engine:
         self.engine = await self.run(make)
         return self.engine
@@ -54,11 +74,7 @@ class EngineWorker:
 
         If the consumer stops early (a client went away) or the time limit passes, the engine is
         told to stop at its next step and the thread is freed for the next request."""
-        if self.pending > self.max_queue:
-            retry = min(60, max(1, math.ceil(self._mean_s * (self.pending - self.max_queue))))
-            raise queue_full(self.label, self.pending - 1, retry)
-        self.pending += 1
-        started = time.monotonic()
+        started = self._admit()
         deadline = started + self.timeout_s if self.timeout_s else None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -98,8 +114,7 @@ class EngineWorker:
                 yield item
         finally:
             cancelled.set()
-            self.pending -= 1
-            self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - started)
+            self._release(started)
 
     async def aclose(self, timeout_s: float) -> bool:
         """Close the engine after its current step (a cancelled generation stops there), waiting

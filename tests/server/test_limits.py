@@ -155,3 +155,23 @@ def test_the_time_limit_ends_a_stream_with_an_error_event_then_done(make_client)
     assert events[-2]["error"]["code"] == "request_timeout"
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert 0 < len(text) < 40
+
+
+def test_a_classification_counts_against_the_queue_bound(models_file):
+    app, factory = slow_app(models_file, max_queue=1)
+    body = {"model": CHAT["model"], "input": "fine", "labels": ["good", "bad"]}
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            running = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+            await asyncio.sleep(0.2)
+            waiting = asyncio.create_task(client.post("/v1/classifications", json=body))
+            await asyncio.sleep(0.2)
+            refused = await client.post("/v1/chat/completions", json=CHAT)
+            return refused, await running, await waiting
+
+    with LiveServer(app) as server:
+        refused, running, waiting = asyncio.run(main(server.url))
+    assert_openai_error(refused, 429, code="queue_full")
+    assert running.status_code == waiting.status_code == 200
+    assert waiting.json()["data"][0]["label"] in ("good", "bad")
