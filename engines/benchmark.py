@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import platform
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -69,10 +70,9 @@ class DuetTorch:
                                   device=self.device, compile=self.compile)
 
     def run(self, prompt: list[int], new_tokens: int) -> Measurement:
-        from .base import RequestStats, SamplingParams
+        from .bench_core import engine_run
 
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        stats = [e for e in self.engine.generate(prompt, params) if isinstance(e, RequestStats)][0]
+        stats = engine_run(self.engine, prompt, new_tokens)
         return Measurement(stats.ttft_s, stats.prefill_tokens_per_s, stats.decode_tokens_per_s,
                            stats.peak_memory_bytes)
 
@@ -261,53 +261,38 @@ def kv_cache_bytes(model_dir: Path, dtype: str, device: str, context: int) -> in
 
 
 # ---------------------------------------------------------------- running
-def run_system(system, model_dir: Path, dtype: str, context: int, prompt_lens: list[int],
-               new_tokens: int, repeats: int, vocab: int, log=print) -> list[Result]:
-    results = [Result(system.name, n, new_tokens) for n in prompt_lens]
-    try:
-        started = time.perf_counter()
-        system.setup(model_dir, dtype, context)
-        for res in results:  # warm-up: compiles, graph captures, allocator growth
-            system.run(_prompt(res.prompt_tokens, vocab), new_tokens)
-        log(f"{system.name}: set up and warmed up in {time.perf_counter() - started:.1f}s")
-        for res in results:
-            for _ in range(repeats):
-                res.runs.append(system.run(_prompt(res.prompt_tokens, vocab), new_tokens))
-    except Exception as exc:  # one failing system must not lose the others' numbers
-        log(f"{system.name}: failed: {type(exc).__name__}: {exc}")
-        for res in results:
-            res.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        try:
-            system.teardown()
-        except Exception:
-            pass
-    return results
-
-
-def run_interleaved(systems, model_dir: Path, dtype: str, context: int, prompt_lens: list[int],
+def run_systems(systems, model_dir: Path, dtype: str, context: int, prompt_lens: list[int],
                     new_tokens: int, repeats: int, vocab: int, log=print) -> list[Result]:
-    """Every system loaded at once and their runs taken in turn, so slow drifts of the
-    machine (clocks, host load) fall on all of them alike: for noisy, host-bound pairs."""
+    """The systems loaded together and their runs taken in turn, so slow drifts of the
+    machine (clocks, host load) fall on all of them alike (pass one system to run it alone).
+    A system that fails keeps its error and never loses the others' numbers."""
     results = {s.name: [Result(s.name, n, new_tokens) for n in prompt_lens] for s in systems}
+
+    def fail(system, exc: Exception) -> None:
+        log(f"{system.name}: failed: {type(exc).__name__}: {exc}")
+        for res in results[system.name]:
+            res.error = f"{type(exc).__name__}: {exc}"
+
     live = []
     for system in systems:
         try:
             started = time.perf_counter()
             system.setup(model_dir, dtype, context)
-            for res in results[system.name]:
+            for res in results[system.name]:  # warm-up: compiles, graph captures, allocator growth
                 system.run(_prompt(res.prompt_tokens, vocab), new_tokens)
             log(f"{system.name}: set up and warmed up in {time.perf_counter() - started:.1f}s")
             live.append(system)
         except Exception as exc:
-            log(f"{system.name}: failed: {type(exc).__name__}: {exc}")
-            for res in results[system.name]:
-                res.error = f"{type(exc).__name__}: {exc}"
+            fail(system, exc)
     try:
         for i, n in enumerate(prompt_lens):
             for _ in range(repeats):
-                for system in live:
-                    results[system.name][i].runs.append(system.run(_prompt(n, vocab), new_tokens))
+                for system in list(live):
+                    try:
+                        results[system.name][i].runs.append(system.run(_prompt(n, vocab), new_tokens))
+                    except Exception as exc:
+                        fail(system, exc)
+                        live.remove(system)
     finally:
         for system in systems:
             try:
@@ -315,6 +300,17 @@ def run_interleaved(systems, model_dir: Path, dtype: str, context: int, prompt_l
             except Exception:
                 pass
     return [r for s in systems for r in results[s.name]]
+
+
+def write_marked_section(path: Path, key: str, text: str, tag: str = "bench") -> None:
+    """Put text between <!-- tag:key --> markers of a markdown file, replacing what was there
+    (or appending), so each benchmark rewrites only its own section."""
+    start, end = f"<!-- {tag}:{key} -->", f"<!-- /{tag}:{key} -->"
+    block = f"{start}\n{text}{end}\n"
+    old = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
+    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + block
+    path.write_text(new)
 
 
 def versions() -> dict[str, str]:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_engines import write_markdown  # noqa: E402
+from bench_engines import model_dir  # noqa: E402
 from engines import benchmark as core  # noqa: E402
 from engines.base import ClassifyParams  # noqa: E402
 
@@ -33,14 +33,6 @@ LABELS = ("positive", "negative")
 
 def load_rows() -> list[dict]:
     return [json.loads(line) for path in DATA for line in path.read_text().splitlines() if line]
-
-
-def default_model_dir() -> Path:
-    from engines.config import load_models_file
-    from engines.sources import resolve_model_dir
-    from server.settings import REPO_MODELS_FILE
-
-    return resolve_model_dir(load_models_file(REPO_MODELS_FILE)[0])
 
 
 def bench_engine(name: str, model_dir: Path, rows: list[dict], repeats: int, calibrate: bool) -> dict:
@@ -99,11 +91,10 @@ def main(argv=None) -> int:
     p.add_argument("--md", type=Path, default=ROOT / "docs/benchmarks.md")
     args = p.parse_args(argv)
     rows = load_rows()
-    model_dir = default_model_dir()
     results = []
     for name in args.engines.split(","):
         for calibrate in (True,) if args.no_uncalibrated else (True, False):
-            r = bench_engine(name, model_dir, rows, args.repeats, calibrate)
+            r = bench_engine(name, model_dir("default", Path()), rows, args.repeats, calibrate)
             results.append(r)
             print(f"{r['engine']:6} calibrate={str(calibrate):5} accuracy {r['accuracy']:.1%}  "
                   f"{r['classifications_per_s']:.2f} classifications/s (median {r['median_s']:.2f}s)")
@@ -115,7 +106,7 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "classify-default-cpu.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=2))
-    write_markdown(args.md, markdown(meta, results), "classify-default-cpu")
+    core.write_marked_section(args.md, "classify-default-cpu", markdown(meta, results))
     return 0
 
 

@@ -136,15 +136,6 @@ def markdown(meta, rows, ratio_map, check) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: Path, section: str, key: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    marker_start, marker_end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
-    block = f"{marker_start}\n{section}{marker_end}\n"
-    pattern = re.compile(re.escape(marker_start) + r".*?" + re.escape(marker_end) + r"\n?", re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default",
@@ -187,13 +178,12 @@ def main(argv=None) -> int:
             systems.append(core.SYSTEMS[name](device))
         else:
             systems.append(core.SYSTEMS[name]())
+    # Interleaved: every system loaded together; otherwise one at a time, each freed before
+    # the next loads (GPU memory), with the table so far printed after each.
     results = []
-    if args.interleave:
-        results = core.run_interleaved(systems, path, dtype, args.context, prompt_lens,
-                                       args.new_tokens, args.repeats, vocab)
-    for system in systems if not args.interleave else ():
-        results += core.run_system(system, path, dtype, args.context, prompt_lens,
-                                   args.new_tokens, args.repeats, vocab)
+    for group in [systems] if args.interleave else [[s] for s in systems]:
+        results += core.run_systems(group, path, dtype, args.context, prompt_lens,
+                                    args.new_tokens, args.repeats, vocab)
         print_table(table_rows(results, floor_tps), f"{args.model} so far")
 
     check = gpu_check(path, dtype, args.context) if args.check else None
@@ -216,7 +206,7 @@ def main(argv=None) -> int:
     key = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{device.split(':')[0]}-{dtype}-{args.tag}".lower()).strip("-")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{key}.json").write_text(core.results_json(results, {**meta, "ratios": ratio_map, "check": check}))
-    write_markdown(args.md, markdown(meta, rows, ratio_map, check), key)
+    core.write_marked_section(args.md, key, markdown(meta, rows, ratio_map, check))
     print(f"wrote {args.out_dir / (key + '.json')} and a section of {args.md}")
     return 0 if all(not math.isnan(r.median("decode_tokens_per_s")) for r in results) else 1
 

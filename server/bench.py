@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -275,23 +275,14 @@ def _check_fits(prompt_ids: list[list[int]], max_tokens: int, context: int) -> N
             raise _with_param(err, "prompts")
 
 
-async def watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]], gone: threading.Event,
-                           every_s: float = 0.2) -> None:
-    """Tell the bench its client left, also while a run is on an engine thread."""
-    while not gone.is_set():
-        if await is_disconnected():
-            log.info("bench client disconnected; stopping the run")
-            gone.set()
-            return
-        await asyncio.sleep(every_s)
-
-
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def respond(service: BenchService, req: BenchRequest,
-                  is_disconnected: Callable[[], Awaitable[bool]]):
-    """POST /bench: validate (errors are plain HTTP errors), then a JSON summary or SSE events."""
+async def respond(service: BenchService, req: BenchRequest):
+    """POST /bench: validate (errors are plain HTTP errors), then a JSON summary or SSE events.
+
+    A client that leaves has this request cancelled (server/request_guard.py); the cancellation
+    lands inside run.events(), whose clean-up stops the run on the engine thread."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
     from .streaming import DONE, sse
@@ -299,28 +290,21 @@ async def respond(service: BenchService, req: BenchRequest,
     run = await service.prepare(req)
     if req.stream:
         async def body() -> AsyncIterator[str]:
-            watcher = asyncio.create_task(watch_disconnect(is_disconnected, run.gone))
             try:
                 async for event in run.events():
                     yield sse(event)
             except Exception as exc:
                 log.exception("bench failed")
                 yield sse(_error("bench", f"{type(exc).__name__}: {exc}"))
-            finally:
-                watcher.cancel()
             yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
-    watcher = asyncio.create_task(watch_disconnect(is_disconnected, run.gone))
     runs: list[dict] = []
     summary: dict = {}
-    try:
-        async for event in run.events():
-            if event["type"] == "run":
-                runs.append({k: v for k, v in event.items() if k != "type"})
-            elif event["type"] == "summary":
-                summary = event
-    finally:
-        watcher.cancel()
+    async for event in run.events():
+        if event["type"] == "run":
+            runs.append({k: v for k, v in event.items() if k != "type"})
+        elif event["type"] == "summary":
+            summary = event
     summary.pop("type", None)
     return JSONResponse({**summary, "runs": runs})

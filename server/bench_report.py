@@ -7,12 +7,13 @@ import asyncio
 import datetime as dt
 import json
 import os
-import re
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from engines.benchmark import write_marked_section
 
 MiB = 2**20
 COLUMNS = ["target", "device", "runs", "TTFT ms", "prefill tok/s", "decode tok/s", "peak MiB",
@@ -190,16 +191,6 @@ def write_outputs(summary: dict, runs: list[dict], out_dir: Path, stem: str,
     return paths
 
 
-def write_section(md_file: Path, key: str, text: str) -> None:
-    """Put text between <!-- duet-bench:key --> markers of md_file, replacing what was there."""
-    start, end = f"<!-- duet-bench:{key} -->", f"<!-- /duet-bench:{key} -->"
-    block = f"{start}\n{text}{end}\n"
-    old = md_file.read_text() if md_file.exists() else ""
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + block
-    md_file.write_text(new)
-
-
 # ---------------------------------------------------------------- the command
 def run_from_cli(args) -> int:
     """`duet bench`: the bench core in-process (engines loaded here) or on a running server."""
@@ -259,6 +250,6 @@ def run_from_cli(args) -> int:
     if args.md_section:
         md = Path(args.md_section)
         image = os.path.relpath(paths["png"], md.parent)
-        write_section(md, stem, markdown(summary, image, command))
+        write_marked_section(md, stem, markdown(summary, image, command), tag="duet-bench")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if all(t.get("runs") for t in summary["targets"].values()) else 1

@@ -24,9 +24,9 @@ from .config import ModelArgs
 
 
 class KVCache(nn.Module):
-    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype, device, batch: int = 1):
         super().__init__()
-        shape = (1, n_kv_heads, max_len, head_dim)
+        shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 

@@ -12,30 +12,9 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
-from torch import nn
-
 from ..base import ContinuationScores
 from ..classify import right_pad, shared_prefix_len
-from .model import Transformer
-
-
-class BatchedPrefixCache(nn.Module):
-    """A layer's cache for B continuations that share one prompt: the prompt's K/V copied into
-    every row, with room for `extra` more positions."""
-
-    def __init__(self, k_prefix: torch.Tensor, v_prefix: torch.Tensor, batch: int, extra: int):
-        super().__init__()
-        _, heads, n, dim = k_prefix.shape
-        self.k = k_prefix.new_empty((batch, heads, n + extra, dim))
-        self.v = v_prefix.new_empty((batch, heads, n + extra, dim))
-        self.k[:, :, :n] = k_prefix
-        self.v[:, :, :n] = v_prefix
-
-    def write_prefix(self, start: int, k: torch.Tensor, v: torch.Tensor):
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+from .model import KVCache, Transformer
 
 
 @contextmanager
@@ -45,9 +24,10 @@ def batched_caches(model: Transformer, prompt_len: int, batch: int, extra: int):
     saved = [a.kv_cache for a in attns]
     try:
         for a, c in zip(attns, saved):
-            a.kv_cache = BatchedPrefixCache(
-                c.k[:, :, :prompt_len], c.v[:, :, :prompt_len], batch, extra
-            )
+            _, heads, _, dim = c.k.shape
+            a.kv_cache = KVCache(prompt_len + extra, heads, dim, c.k.dtype, c.k.device, batch)
+            a.kv_cache.k[:, :, :prompt_len] = c.k[:, :, :prompt_len]
+            a.kv_cache.v[:, :, :prompt_len] = c.v[:, :, :prompt_len]
         yield
     finally:
         for a, c in zip(attns, saved):
