@@ -27,6 +27,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--no-tune", action="store_true", help="no coordinate-descent tuning")
+    p.add_argument("--no-kernel", action="store_true", help="PyTorch-op decode attention")
     args = p.parse_args()
 
     import torch
@@ -40,7 +41,9 @@ def main() -> int:
     from engines.torch_engine.runner import CudaGraphRunner
 
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda", compile="off")
-    runner = engine.runner = CudaGraphRunner(engine.model, "cuda", tune=not args.no_tune)
+    runner = engine.runner = CudaGraphRunner(
+        engine.model, "cuda", tune=not args.no_tune, decode_kernel=not args.no_kernel
+    )
     runner.warm_up()
     bw = core.copy_bandwidth("cuda")
     floor_ms = core.weight_bytes(path, "bfloat16", "cuda") / bw * 1000

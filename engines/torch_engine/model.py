@@ -92,6 +92,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, d, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
+        self.window = args.sliding_window or 0
+        # Set by the CUDA runner: the static decode step calls the Triton kernel in
+        # decode_attention.py instead of the PyTorch-op attention below.
+        self.decode_kernel = False
 
     def forward(self, x, cos, sin, pos, mask, kv_len=None):
         b, t, _ = x.shape
@@ -113,7 +117,10 @@ class Attention(nn.Module):
             k, v = self.kv_cache.write_at(pos, k, v)
             if kv_len is not None:  # attend over a bucket of the cache, not all of it
                 k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            out = self._grouped_attention(q, k, v, mask)
+            if t == 1 and self.decode_kernel:
+                out = torch.ops.duet.decode_attention(q, k, v, pos, self.window)
+            else:
+                out = self._grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _one_query_attention(self, q, k, v):
@@ -210,6 +217,16 @@ class Transformer(nn.Module):
             "cache_pos", torch.arange(max_len, device=p.device), persistent=False
         )
         self.max_len = max_len
+
+    def use_decode_kernel(self, on: bool) -> None:
+        """Route the static decode step's attention through the Triton kernel (CUDA only)."""
+        if on:
+            from . import decode_attention  # registers torch.ops.duet.decode_attention
+
+            if not decode_attention.available():
+                raise RuntimeError("the decode attention kernel needs Triton")
+        for layer in self.model.layers:
+            layer.self_attn.decode_kernel = on
 
     @property
     def kv_cache_bytes(self) -> int:

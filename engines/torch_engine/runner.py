@@ -128,9 +128,13 @@ class CudaGraphRunner(StaticRunner):
     from a fixed buffer and advances the on-device position itself; the graphs share one
     memory pool, since only one runs at a time."""
 
-    def __init__(self, model: Transformer, device: str, tune: bool = True):
+    def __init__(self, model: Transformer, device: str, tune: bool = True, decode_kernel: bool = True):
         super().__init__(model, device, compile=False)
         self.compiled = True
+        from . import decode_attention
+
+        self.decode_kernel = decode_kernel and decode_attention.available()
+        model.use_decode_kernel(self.decode_kernel)
         if tune:
             # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
             # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an
@@ -184,6 +188,7 @@ class CudaGraphRunner(StaticRunner):
                 self._capture(kv_len)
         torch.cuda.synchronize()
         log.info(
-            "captured %d decode graphs (attention buckets %s) in %.1fs",
-            len(self._graphs), sorted(self._graphs), time.perf_counter() - started,
+            "captured %d decode graphs (attention buckets %s, %s attention) in %.1fs",
+            len(self._graphs), sorted(self._graphs),
+            "Triton kernel" if self.decode_kernel else "PyTorch-op", time.perf_counter() - started,
         )
