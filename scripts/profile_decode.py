@@ -27,7 +27,9 @@ def main() -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--no-tune", action="store_true", help="no coordinate-descent tuning")
-    p.add_argument("--no-kernel", action="store_true", help="PyTorch-op decode attention")
+    p.add_argument("--no-kernels", action="store_true", help="PyTorch ops for attention and SiLU")
+    p.add_argument("--no-act-kernel", action="store_true", help="PyTorch ops for SiLU * up")
+    p.add_argument("--split-len", type=int, help="cache slots per decode-attention program")
     args = p.parse_args()
 
     import torch
@@ -41,8 +43,13 @@ def main() -> int:
     from engines.torch_engine.runner import CudaGraphRunner
 
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16", device="cuda", compile="off")
+    if args.split_len:
+        from engines.torch_engine import decode_attention
+
+        decode_attention.SPLIT_LEN = args.split_len
     runner = engine.runner = CudaGraphRunner(
-        engine.model, "cuda", tune=not args.no_tune, decode_kernel=not args.no_kernel
+        engine.model, "cuda", tune=not args.no_tune, kernels=not args.no_kernels,
+        act_kernel=not args.no_act_kernel,
     )
     runner.warm_up()
     bw = core.copy_bandwidth("cuda")

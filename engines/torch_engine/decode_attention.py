@@ -27,10 +27,11 @@ def available() -> bool:
     return triton is not None
 
 
-# Each program covers SPLIT_LEN cache slots in BLOCK-sized steps; a 512-slot bucket is 4
-# programs per K/V head, enough to keep the SMs busy for a 1B model's 8 heads.
+# Each program covers SPLIT_LEN cache slots in BLOCK-sized steps: one step each, so a
+# program is a single round of loads, and a 512-slot bucket is 8 programs per K/V head
+# (measured on an H200 for llama-3.2-1b: 2.8 us a layer, against 3.6 with 128 slots a program).
 BLOCK = 64
-SPLIT_LEN = 128
+SPLIT_LEN = 64
 
 if triton is not None:
 
@@ -124,7 +125,8 @@ def decode_attention(
         q2, k, v, pos, acc, m, l,
         q2.stride(0), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         kv_len, window, d ** -0.5,
-        REP=rep, REP_PAD=_pad(rep), D=d, BLOCK=BLOCK, SPLIT_LEN=SPLIT_LEN, N_SPLITS=n_splits,
+        REP=rep, REP_PAD=_pad(rep), D=d, BLOCK=min(BLOCK, SPLIT_LEN), SPLIT_LEN=SPLIT_LEN,
+        N_SPLITS=n_splits,
         IEEE=q.dtype == torch.float32,
     )
     out = torch.empty(n_heads, d, dtype=q.dtype, device=q.device)

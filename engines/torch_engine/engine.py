@@ -67,18 +67,23 @@ class TorchEngine(TokenLoopEngine):
     def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         sample = make_sampler(params, self.device)
         token = sample(self.runner.prefill(prompt_ids))
+        if params.greedy:
+            step = self.runner.decode_greedy
+        else:
+            def step(token, pos):
+                return sample(self.runner.decode(token, pos))
         if self.device.startswith("cuda"):
-            yield from self._pipelined(token, len(prompt_ids), sample)
+            yield from self._pipelined(token, len(prompt_ids), step)
             return
         pos = len(prompt_ids)
         while True:
             yield int(token.item())  # the one host sync per token: streaming needs the id
             if pos >= self.context_length:
                 return
-            token = sample(self.runner.decode(token, pos))
+            token = step(token, pos)
             pos += 1
 
-    def _pipelined(self, token: torch.Tensor, pos: int, sample) -> Iterator[int]:
+    def _pipelined(self, token: torch.Tensor, pos: int, step) -> Iterator[int]:
         """CUDA: queue step n+1 before reading token n back, so the GPU never waits for the
         host. Each id travels through a pinned buffer and an event, not a stream-wide sync."""
         slots = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -89,7 +94,7 @@ class TorchEngine(TokenLoopEngine):
         while True:
             nxt = None
             if pos < self.context_length:
-                nxt = sample(self.runner.decode(token, pos))
+                nxt = step(token, pos)
                 slots[1 - i].copy_(nxt.view(1), non_blocking=True)
                 events[1 - i].record()
             events[i].synchronize()

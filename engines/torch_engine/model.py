@@ -163,9 +163,13 @@ class MLP(nn.Module):
         d, self.hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
         self.gate_up_proj = nn.Linear(d, 2 * self.hidden, bias=bias)
         self.down_proj = nn.Linear(self.hidden, d, bias=bias)
+        self.act_kernel = False  # set by the CUDA runner: silu_mul.py's Triton kernel
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_kernel:
+            return self.down_proj(torch.ops.duet.silu_mul(gate_up))
+        gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -218,15 +222,17 @@ class Transformer(nn.Module):
         )
         self.max_len = max_len
 
-    def use_decode_kernel(self, on: bool) -> None:
-        """Route the static decode step's attention through the Triton kernel (CUDA only)."""
-        if on:
-            from . import decode_attention  # registers torch.ops.duet.decode_attention
+    def use_kernels(self, attention: bool, activation: bool = False) -> None:
+        """Route the static decode step's attention, and the MLP's activation, through the
+        Triton kernels of decode_attention.py and silu_mul.py (CUDA only)."""
+        if attention or activation:
+            from . import decode_attention, silu_mul  # noqa: F401  (registers torch.ops.duet)
 
             if not decode_attention.available():
-                raise RuntimeError("the decode attention kernel needs Triton")
+                raise RuntimeError("duet's decode kernels need Triton")
         for layer in self.model.layers:
-            layer.self_attn.decode_kernel = on
+            layer.self_attn.decode_kernel = attention
+            layer.mlp.act_kernel = activation
 
     @property
     def kv_cache_bytes(self) -> int:

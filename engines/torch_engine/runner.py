@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from .model import Transformer
+from .sampling import argmax_in_chunks
 
 log = logging.getLogger("duet.engines.torch")
 
@@ -38,7 +39,16 @@ def decode_buckets(max_len: int) -> list[int]:
     return buckets
 
 
-class EagerRunner:
+class Runner:
+    def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_greedy(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """The next token [1] when decoding greedily (the same choice as the greedy sampler)."""
+        return torch.argmax(self.decode(token, pos), dim=-1, keepdim=True)
+
+
+class EagerRunner(Runner):
     """CPU and MPS: no compiler; attention reads only the filled part of the cache."""
 
     compiled = False
@@ -59,7 +69,7 @@ class EagerRunner:
         pass
 
 
-class StaticRunner:
+class StaticRunner(Runner):
     """Static shapes: the decode step always sees a [1, 1] token and the whole cache.
 
     With compile=True the decode step goes through torch.compile (mode reduce-overhead, which
@@ -128,13 +138,16 @@ class CudaGraphRunner(StaticRunner):
     from a fixed buffer and advances the on-device position itself; the graphs share one
     memory pool, since only one runs at a time."""
 
-    def __init__(self, model: Transformer, device: str, tune: bool = True, decode_kernel: bool = True):
+    def __init__(
+        self, model: Transformer, device: str, tune: bool = True, kernels: bool = True,
+        act_kernel: bool = True,
+    ):
         super().__init__(model, device, compile=False)
         self.compiled = True
         from . import decode_attention
 
-        self.decode_kernel = decode_kernel and decode_attention.available()
-        model.use_decode_kernel(self.decode_kernel)
+        self.kernels = kernels and decode_attention.available()
+        model.use_kernels(attention=self.kernels, activation=self.kernels and act_kernel)
         if tune:
             # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
             # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an
@@ -144,14 +157,21 @@ class CudaGraphRunner(StaticRunner):
 
             inductor_config.coordinate_descent_tuning = True
         self._prefill_fn = torch.compile(self._prefill_impl, dynamic=True, fullgraph=True)
-        self._step = torch.compile(self._decode_impl, dynamic=True, fullgraph=True)
+        self._step = torch.compile(self._decode_and_pick, dynamic=True, fullgraph=True)
         self._token = torch.zeros(1, 1, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
+    def _decode_and_pick(self, token, pos, kv_len: int):
+        logits = self._decode_impl(token, pos, kv_len)
+        return logits, argmax_in_chunks(logits)
+
     def _step_and_advance(self, kv_len: int) -> torch.Tensor:
-        logits = self._step(self._token, self._pos, kv_len)
+        logits, greedy = self._step(self._token, self._pos, kv_len)
         self._pos.add_(1)
+        # The greedy choice is made inside the graph and left where the next step reads its
+        # token: greedy decoding needs no launch and no copy between replays.
+        self._token.copy_(greedy.view(1, 1))
         return logits
 
     @torch.inference_mode()
@@ -175,9 +195,15 @@ class CudaGraphRunner(StaticRunner):
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         kv_len = decode_bucket(pos + 1, self.model.max_len)
         graph, logits = self._graphs.get(kv_len) or self._capture(kv_len)
-        self._token.copy_(token.view(1, 1))
+        if token.data_ptr() != self._token.data_ptr():  # not the graph's own greedy pick
+            self._token.copy_(token.view(1, 1))
         graph.replay()
         return logits
+
+    def decode_greedy(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        self.decode(token, pos)
+        # A view of the graph's token buffer: read it (or copy it out) before the next step.
+        return self._token.view(1)
 
     def warm_up(self, max_prompt: int = 1024) -> None:
         started = time.perf_counter()
@@ -190,5 +216,5 @@ class CudaGraphRunner(StaticRunner):
         log.info(
             "captured %d decode graphs (attention buckets %s, %s attention) in %.1fs",
             len(self._graphs), sorted(self._graphs),
-            "Triton kernel" if self.decode_kernel else "PyTorch-op", time.perf_counter() - started,
+            "Triton kernel" if self.kernels else "PyTorch-op", time.perf_counter() - started,
         )

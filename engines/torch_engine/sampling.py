@@ -8,6 +8,21 @@ import torch
 
 from ..base import SamplingParams
 
+ARGMAX_CHUNK = 1024
+
+
+def argmax_in_chunks(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax of a vector [V] (the first of equal maxima), in two stages: the maximum of
+    each chunk in parallel, then the best chunk. Compiled, this is two small kernels; ATen's
+    one-row argmax runs in a single thread block (29 us for a 128k vocabulary on an H200, 3%
+    of a llama-3.2-1b step)."""
+    v = logits.shape[-1]
+    chunks = -(-v // ARGMAX_CHUNK)
+    padded = torch.nn.functional.pad(logits, (0, chunks * ARGMAX_CHUNK - v), value=float("-inf"))
+    best, where = padded.view(chunks, ARGMAX_CHUNK).max(dim=-1)
+    chunk = torch.argmax(best)
+    return (chunk * ARGMAX_CHUNK + where[chunk]).view(1)
+
 
 def make_sampler(params: SamplingParams, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """Build the sampler once per request; it maps logits [V] to a token id tensor [1]."""

@@ -37,3 +37,21 @@ def test_huge_top_k_and_extreme_seeds(tiny_dirs):
         assert tokens(engine, seed=7, top_k=vocab) == unfiltered, engine.name
         assert tokens(engine, seed=7, top_k=10**6) == unfiltered, engine.name
         assert tokens(engine, seed=folded) == tokens(engine, seed=folded), engine.name
+
+
+@pytest.mark.parametrize("size", [1, 1023, 1024, 1025, 128256])
+def test_argmax_in_chunks_is_torch_argmax(size):
+    """The CUDA graph's greedy pick: same index as torch.argmax, the first of equal maxima
+    included, for vocabularies shorter than, equal to and not a multiple of a chunk."""
+    import torch
+
+    from engines.torch_engine.sampling import argmax_in_chunks
+
+    gen = torch.Generator().manual_seed(size)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(size, generator=gen).to(dtype)
+        assert argmax_in_chunks(logits).item() == torch.argmax(logits).item()
+        tied = torch.zeros(size, dtype=dtype)
+        tied[size // 2 :] = 1.0  # ties across chunk borders: the first one wins
+        assert argmax_in_chunks(tied).item() == torch.argmax(tied).item() == size // 2
+        assert argmax_in_chunks(torch.full((size,), -3.0, dtype=dtype)).item() == 0

@@ -1,5 +1,5 @@
-"""The Triton decode-attention kernel of the CUDA path: on this CPU through Triton's
-interpreter, on a GPU (where there is one) compiled, in bfloat16."""
+"""The Triton kernels of the CUDA path (decode attention, SiLU * up): on this CPU through
+Triton's interpreter, on a GPU (where there is one) compiled, in bfloat16 too."""
 
 import importlib.util
 import os
@@ -20,22 +20,23 @@ needs_triton = pytest.mark.skipif(
 def test_kernel_in_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run(
-        [sys.executable, "-m", "tests.engines.decode_attention_check"],
+        [sys.executable, "-m", "tests.engines.kernels_check"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "decode attention: ok" in done.stdout
+    assert "kernels: ok" in done.stdout
 
 
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_cuda():
-    from tests.engines.decode_attention_check import check_op
+    from tests.engines.kernels_check import check_op, check_silu_mul
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
+    check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
 
 
-def test_model_refuses_the_kernel_without_triton(monkeypatch, tiny_dirs):
+def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
     from engines.torch_engine import decode_attention
     from engines.torch_engine.loader import load_model
 
@@ -43,5 +44,7 @@ def test_model_refuses_the_kernel_without_triton(monkeypatch, tiny_dirs):
     model.setup_cache(32)
     monkeypatch.setattr(decode_attention, "triton", None)
     with pytest.raises(RuntimeError, match="Triton"):
-        model.use_decode_kernel(True)
-    model.use_decode_kernel(False)  # the PyTorch-op path needs nothing
+        model.use_kernels(attention=True)
+    with pytest.raises(RuntimeError, match="Triton"):
+        model.use_kernels(attention=False, activation=True)
+    model.use_kernels(attention=False)  # the PyTorch-op path needs nothing

@@ -1,6 +1,7 @@
-"""Run by test_decode_attention.py in a subprocess with TRITON_INTERPRET=1: Triton's
-interpreter runs the decode-attention kernel on the CPU (the flag must be set before the
-kernel is defined, so it cannot share the test process). Exits non-zero on a mismatch."""
+"""Run by test_cuda_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter
+runs the CUDA path's kernels (decode attention, SiLU * up) on the CPU (the flag must be set
+before a kernel is defined, so it cannot share the test process). Exits non-zero on a
+mismatch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engines.torch_engine import runner as runners
 from engines.torch_engine.config import ModelArgs
 from engines.torch_engine.decode_attention import decode_attention
 from engines.torch_engine.loader import random_model
+from engines.torch_engine.silu_mul import silu_mul
 
 CASES = [  # heads, kv heads, head dim, bucket, position, window
     (8, 2, 64, 256, 0, 0), (8, 2, 64, 256, 255, 0), (14, 2, 64, 512, 300, 0),
@@ -49,9 +51,24 @@ def check_op(dtypes=((torch.float32, 1e-5), (torch.float16, 2e-3)), device="cpu"
             assert err < tol, (dtype, h, kv, d, bucket, pos, window, err)
 
 
+def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device="cpu") -> None:
+    """One row (decode) and many (prefill), a width that is not a multiple of the block."""
+    torch.manual_seed(0)
+    for dtype, tol in dtypes:
+        for shape in ((1, 1, 2 * 1500), (1, 7, 2 * 64)):
+            x = torch.randn(shape, dtype=dtype, device=device) * 4
+            gate, up = x.float().chunk(2, dim=-1)
+            out = silu_mul(x)
+            assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
+            torch.testing.assert_close(
+                out.float(), torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol
+            )
+
+
 def check_model(window: int | None) -> None:
-    """A whole static decode with the kernel equals the PyTorch-op path (itself checked against
-    transformers), through prefill and 30 steps that cross attention buckets 16, 32, 64."""
+    """A whole static decode with the kernels equals the PyTorch-op path (itself checked
+    against transformers), through prefill and 30 steps that cross attention buckets 16, 32,
+    64."""
     runners.MIN_DECODE_BUCKET = 16
     args = ModelArgs.from_hf(dict(
         model_type="mistral" if window else "llama", vocab_size=64, hidden_size=64,
@@ -69,7 +86,7 @@ def check_model(window: int | None) -> None:
     prompt = [5, 9, 1, 33, 7, 2, 60, 4, 8, 11, 3]
     traces = []
     for kernel in (False, True):
-        model.use_decode_kernel(kernel)
+        model.use_kernels(attention=kernel, activation=kernel)
         runner = runners.StaticRunner(model, "cpu", compile=False)
         with torch.no_grad():
             logits = runner.prefill(prompt)
@@ -84,7 +101,8 @@ def check_model(window: int | None) -> None:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (or on CUDA)"
     check_op()
+    check_silu_mul()
     check_model(window=None)
     check_model(window=8)
-    print("decode attention: ok")
+    print("kernels: ok")
     sys.exit(0)
