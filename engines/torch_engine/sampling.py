@@ -20,8 +20,9 @@ def argmax_in_chunks(logits: torch.Tensor) -> torch.Tensor:
     chunks = -(-v // ARGMAX_CHUNK)
     padded = torch.nn.functional.pad(logits, (0, chunks * ARGMAX_CHUNK - v), value=float("-inf"))
     best, where = padded.view(chunks, ARGMAX_CHUNK).max(dim=-1)
-    chunk = torch.argmax(best)
-    return (chunk * ARGMAX_CHUNK + where[chunk]).view(1)
+    # gather, not where[chunk]: indexing by a tensor's value would stop the compiler's trace.
+    index = where + torch.arange(chunks, device=logits.device) * ARGMAX_CHUNK
+    return index.gather(0, torch.argmax(best).view(1))
 
 
 def make_sampler(params: SamplingParams, device: str) -> Callable[[torch.Tensor], torch.Tensor]:

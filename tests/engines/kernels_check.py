@@ -5,6 +5,7 @@ mismatch."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -96,6 +97,22 @@ def check_model(window: int | None) -> None:
                 steps.append(logits)
         traces.append(torch.stack(steps))
     torch.testing.assert_close(traces[1], traces[0], atol=1e-5, rtol=1e-4)
+
+    # The CUDA runner's step (decode + greedy pick, kernels as opaque ops) must trace as one
+    # graph with the attention bucket dynamic, and compute what the eager step computes.
+    runner = runners.StaticRunner(model, "cpu", compile=False)
+    step = torch.compile(
+        functools.partial(runners.CudaGraphRunner._decode_and_pick, runner),
+        fullgraph=True, dynamic=True, backend="aot_eager",
+    )
+    with torch.no_grad():
+        runner.prefill(prompt)
+        token = torch.tensor([[7]])
+        for kv_len in (16, 32):
+            logits, pick = step(token, runner._pos, kv_len)
+            expected = runner._decode_impl(token, runner._pos, kv_len)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+            assert pick.tolist() == [int(expected.argmax())]
 
 
 if __name__ == "__main__":

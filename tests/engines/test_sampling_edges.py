@@ -48,9 +48,12 @@ def test_argmax_in_chunks_is_torch_argmax(size):
     from engines.torch_engine.sampling import argmax_in_chunks
 
     gen = torch.Generator().manual_seed(size)
+    # The CUDA runner compiles it whole into the decode step (no graph break allowed).
+    compiled = torch.compile(argmax_in_chunks, fullgraph=True, dynamic=True, backend="aot_eager")
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(size, generator=gen).to(dtype)
         assert argmax_in_chunks(logits).item() == torch.argmax(logits).item()
+        assert compiled(logits).item() == torch.argmax(logits).item()
         tied = torch.zeros(size, dtype=dtype)
         tied[size // 2 :] = 1.0  # ties across chunk borders: the first one wins
         assert argmax_in_chunks(tied).item() == torch.argmax(tied).item() == size // 2
