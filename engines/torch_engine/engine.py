@@ -14,6 +14,7 @@ from ..base import EngineInfo, SamplingParams
 from ..device import choose_device, choose_dtype, configure_mps, memory_meter, torch_dtype
 from ..generation import TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
+from . import cpu_linear
 from .loader import load_model
 from .runner import CudaGraphRunner, EagerRunner, StaticRunner
 from .sampling import make_sampler
@@ -44,6 +45,8 @@ class TorchEngine(TokenLoopEngine):
             configure_mps(mps_memory_fraction)
         self.dtype = choose_dtype(dtype, self.device)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
+        if self.device == "cpu" and cpu_linear.available():
+            log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
         self.context_length = context_length
         self.model.setup_cache(context_length)
         self.tokenizer = ChatTokenizer(model_dir)

@@ -5,16 +5,22 @@ import torch
 
 from engines.base import SamplingParams, Step
 from engines.torch_engine import TorchEngine
+from engines.torch_engine import cpu_linear
 from engines.torch_engine.loader import load_model
 from tests.tiny_models import FAMILIES
 
+needs_onednn = pytest.mark.skipif(not cpu_linear.available(), reason="no oneDNN in this torch")
 PROMPT = [5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200]
 
 
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_and_cached_decode_match_transformers(tiny_dirs, family):
+def test_prefill_and_cached_decode_match_transformers(tiny_dirs, family, packed):
+    """Also with the linear layers on oneDNN, as the engine runs them on the CPU."""
     path, reference = tiny_dirs[family]
     model = load_model(path, torch.float32, "cpu")
+    if packed:
+        assert cpu_linear.pack_linears(model) == 1 + 4 * model.args.num_layers
     model.setup_cache(64)
     seq = torch.tensor([PROMPT])
     with torch.no_grad():
@@ -31,6 +37,8 @@ def test_prefill_and_cached_decode_match_transformers(tiny_dirs, family):
 def test_greedy_generation_follows_reference_argmax(tiny_dirs):
     path, reference = tiny_dirs["llama"]
     engine = TorchEngine(path, context_length=128, dtype="float32", device="cpu")
+    if cpu_linear.available():  # the engine's CPU path: linear layers on oneDNN
+        assert isinstance(engine.model.lm_head, cpu_linear.PackedLinear)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ids = [e.token_id for e in engine.generate(PROMPT, params) if isinstance(e, Step) and e.token_id >= 0]
     seq = torch.tensor([PROMPT])
@@ -111,3 +119,27 @@ def test_decode_buckets():
     assert decode_buckets(2048) == [256, 512, 1024, 2048]
     assert decode_buckets(3000) == [256, 512, 1024, 2048, 3000]
     assert decode_buckets(100) == [100]
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_computes_what_linear_computes(dtype):
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 200, bias=bias).to(dtype)
+        packed = cpu_linear.PackedLinear(linear)
+        for shape in ((1, 96), (1, 1, 96), (3, 17, 96)):  # decode row, prefill, scoring batch
+            x = torch.randn(shape, dtype=dtype)
+            expected = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                                  None if linear.bias is None else linear.bias.double())
+            tol = 1e-5 if dtype == torch.float32 else 5e-2
+            torch.testing.assert_close(packed(x).double(), expected, atol=tol, rtol=tol)
+
+
+@needs_onednn
+def test_packing_a_tied_head_keeps_the_embedding(tiny_dirs):
+    model = load_model(tiny_dirs["smollm"][0], torch.float32, "cpu")  # tied embeddings
+    table = model.model.embed_tokens.weight.detach().clone()
+    cpu_linear.pack_linears(model)
+    assert isinstance(model.lm_head, cpu_linear.PackedLinear)
+    assert torch.equal(model.model.embed_tokens.weight, table)
