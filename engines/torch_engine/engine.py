@@ -45,7 +45,7 @@ class TorchEngine(TokenLoopEngine):
             configure_mps(mps_memory_fraction)
         self.dtype = choose_dtype(dtype, self.device)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
-        if self.device == "cpu" and cpu_linear.available():
+        if onednn_linears(self.device, compile):
             log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
         self.context_length = context_length
         self.model.setup_cache(context_length)
@@ -122,6 +122,12 @@ class TorchEngine(TokenLoopEngine):
 
     def close(self) -> None:
         self.model = None
+
+
+def onednn_linears(device: str, compile: str) -> bool:
+    """Eager CPU only: the compiler cannot trace oneDNN's opaque weights (and with
+    --compile on, Inductor packs weights its own way)."""
+    return device == "cpu" and compile != "on" and cpu_linear.available()
 
 
 def make_runner(model, device: str, compile: str):

@@ -52,6 +52,18 @@ def test_runner_choice(tiny_dirs):
         make_runner(model, "cpu", "sometimes")
 
 
+def test_onednn_linears_only_for_the_eager_cpu_path(monkeypatch):
+    from engines.torch_engine import cpu_linear
+    from engines.torch_engine.engine import onednn_linears
+
+    monkeypatch.setattr(cpu_linear, "available", lambda: True)
+    assert onednn_linears("cpu", "auto") and onednn_linears("cpu", "off")
+    assert not onednn_linears("cpu", "on")
+    assert not onednn_linears("mps", "auto") and not onednn_linears("cuda", "auto")
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    assert not onednn_linears("cpu", "auto")
+
+
 def test_dummy_model_directory_has_the_real_shape(tmp_path):
     path = write_dummy_model("llama-3.1-8b", tmp_path / "d")
     cfg = json.loads((path / "config.json").read_text())
