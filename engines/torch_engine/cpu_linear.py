@@ -9,12 +9,8 @@ weights (torch.ops.mkldnn); where a build lacks them, the layers stay as they ar
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger("duet.engines.torch")
 
 
 def available() -> bool:

@@ -42,7 +42,7 @@ if triton is not None:
         kv_len, window, scale,
         REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, N_SPLITS: tl.constexpr,
-        IEEE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         split = tl.program_id(1)
@@ -65,10 +65,7 @@ if triton is not None:
             if window > 0:
                 valid = valid & (offs > pos - window)
             k = tl.load(k_base + offs[:, None] * stride_kl + dims[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # While every slot so far is masked, m_new is -inf: subtract 0 instead (no NaN).
@@ -77,10 +74,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + offs[:, None] * stride_vl + dims[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         keep = rows < REP
         part = head * N_SPLITS + split
@@ -127,7 +121,8 @@ def decode_attention(
         kv_len, window, d ** -0.5,
         REP=rep, REP_PAD=_pad(rep), D=d, BLOCK=min(BLOCK, SPLIT_LEN), SPLIT_LEN=SPLIT_LEN,
         N_SPLITS=n_splits,
-        IEEE=q.dtype == torch.float32,
+        # float32 stays float32 (Triton's default would round it to TF32); half types ignore it.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     out = torch.empty(n_heads, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(n_heads,)](acc, m, l, out, D=d, N_SPLITS=n_splits, SPLITS_PAD=triton.next_power_of_2(n_splits))
