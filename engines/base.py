@@ -112,6 +112,20 @@ class EngineError(Exception):
     """Base for errors an engine reports to its caller with a meaningful message."""
 
 
+class Cancelled(Exception):
+    """Work stopped because its caller asked it to (the client left, or its time ran out).
+    Not an EngineError: nothing is wrong with the engine or the request."""
+
+
+StopCheck = Callable[[], bool]
+
+
+def check_stop(should_stop: StopCheck | None) -> None:
+    """Raise Cancelled between two pieces of work when the caller wants them to stop."""
+    if should_stop is not None and should_stop():
+        raise Cancelled()
+
+
 class BackendMissing(EngineError):
     def __init__(self, engine: str, module: str, extra: str):
         super().__init__(
@@ -160,13 +174,19 @@ class Engine(Protocol):
         ...
 
     def score_continuations(
-        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+        self,
+        prompts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        should_stop: StopCheck | None = None,
     ) -> ContinuationScores:
         """Every continuation's token log-probabilities after every prompt. The prompts' shared
-        prefix is prefilled once, each prompt once, and its continuations run as one batch on
-        its KV cache."""
+        prefix is prefilled once, each prompt once, and its continuations run in batches on
+        its KV cache. Between two pieces of work (each well under a second) should_stop is
+        asked, and Cancelled raised when it says so."""
         ...
 
-    def classify(self, params: ClassifyParams) -> ClassificationResult: ...
+    def classify(
+        self, params: ClassifyParams, should_stop: StopCheck | None = None
+    ) -> ClassificationResult: ...
 
     def close(self) -> None: ...

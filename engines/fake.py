@@ -19,6 +19,7 @@ from .base import (
     LabelScore,
     RequestStats,
     SamplingParams,
+    check_stop,
 )
 from .generation import MemoryMeter, TokenLoopEngine
 
@@ -78,12 +79,13 @@ class FakeEngine(TokenLoopEngine):
             self.trace.append((request_no, token))
             yield token
 
-    def score_continuations(self, prompts, continuations) -> ContinuationScores:
+    def score_continuations(self, prompts, continuations, should_stop=None) -> ContinuationScores:
         """Every token costs -1; a continuation gains 3 for each time its text (its bytes up
         to the newline the template adds) occurs in the prompt, on its first token. So a label
         named in the text wins, and the label list every prompt carries calibrates away."""
         out = []
         for n, prompt in enumerate(prompts):
+            check_stop(should_stop)
             self.calls.append(list(prompt))
             if self.token_delay_s:
                 time.sleep(self.token_delay_s)
@@ -118,7 +120,8 @@ class FakeClassifier:
         self.info = EngineInfo(engine=name, device="cpu", dtype="none", context_length=512,
                                backend_version="fake 0", extra={"task": "classify"})
 
-    def classify(self, params: ClassifyParams) -> ClassificationResult:
+    def classify(self, params: ClassifyParams, should_stop=None) -> ClassificationResult:
+        check_stop(should_stop)
         self.calls.append(params)
         results = []
         for text in params.inputs:

@@ -138,10 +138,12 @@ class TokenLoopEngine:
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages)
 
-    def classify(self, params: ClassifyParams) -> ClassificationResult:
+    def classify(
+        self, params: ClassifyParams, should_stop: Callable[[], bool] | None = None
+    ) -> ClassificationResult:
         from .classify import zero_shot
 
-        return zero_shot(self, params)
+        return zero_shot(self, params, should_stop)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.context_length:

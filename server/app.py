@@ -18,7 +18,7 @@ from .classify_service import ClassificationService
 from .errors import install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
-from .request_guard import RequestGuard
+from .request_guard import RequestGuard, ShutdownNotice
 from .routes import router
 from .service import GenerationService
 from .settings import Settings
@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
     app.state.bench = BenchService(registry, settings, startup_model)
+    app.state.shutdown = ShutdownNotice()  # expired by run_server when the grace period ends
     install_error_handlers(app)
     app.include_router(router)
     if settings.bench_enabled:
@@ -68,7 +69,8 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
         app.mount("/bench/assets", StaticFiles(directory=STATIC_DIR), name="bench-assets")
     # The last added runs first: CORS answers preflights before the key is asked for, every
     # request is counted (a 401 too), and only a caller with the key gets its body read.
-    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s, shutdown=app.state.shutdown)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, keys=api_keys)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

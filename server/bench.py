@@ -26,6 +26,7 @@ from engines.factory import backend_available, backend_missing
 from engines.sources import resolve_model_dir
 
 from .errors import APIError, bad_request, from_engine_error
+from .protocol import Text
 from .registry import ModelRegistry
 from .settings import Settings
 from .worker import EngineWorker
@@ -41,12 +42,12 @@ class BenchRequest(BaseModel):
     # duet's own endpoint: a misspelt field is an error, not silently a default.
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, min_length=1, max_length=256,
+    model: Text | None = Field(None, min_length=1, max_length=256,
                               description="default: the server's start-up model")
     engines: list[Literal["torch", "mlx"]] | None = Field(
         None, min_length=1, description="default: every engine whose backend is installed")
     preset: Preset = "short"
-    prompts: list[Annotated[str, Field(min_length=1, max_length=100_000)]] | None = Field(
+    prompts: list[Annotated[Text, Field(min_length=1, max_length=100_000)]] | None = Field(
         None, min_length=1, description="raw text prompts; replace the preset")
     max_tokens: int = Field(64, ge=1, description="tokens generated per run, end-of-sequence ignored")
     repeats: int = Field(3, ge=1, description="measured runs per prompt and engine")
@@ -105,6 +106,7 @@ class BenchRun:
     targets: dict[str, Target]
     lock: asyncio.Lock
     device: str
+    timeout_s: float | None = None  # each run's time limit, as for a request
     gone: threading.Event = field(default_factory=threading.Event)
 
     async def events(self) -> AsyncIterator[dict]:
@@ -157,7 +159,7 @@ class BenchRun:
 
     async def _load_reference(self, name: str) -> dict:
         ref = core.ReferenceTarget(name, device=self.device)
-        worker = EngineWorker(f"bench-{name}")
+        worker = EngineWorker(f"bench-{name}", timeout_s=self.timeout_s)
         start = time.perf_counter()
         try:
             model_dir = await asyncio.to_thread(self.model_dir)
@@ -176,10 +178,17 @@ class BenchRun:
     async def _run(self, run: core.PlannedRun) -> core.RunRecord:
         target = self.targets[run.target]
         ids = self.prompt_ids[run.prompt]
+        # Each run is a job on the worker: counted in its queue depth, bounded by the request
+        # time limit, and never refused by the queue bound (a bench queues one run at a time).
         if target.reference is not None:
-            return await target.worker.run(target.reference.run, run, ids, self.req.max_tokens)
-        stats = await target.worker.run(
-            lambda: core.engine_run(target.worker.engine, ids, self.req.max_tokens, self.gone.is_set))
+            # A reference's generate() cannot be stopped mid-run: it stops between runs.
+            return await target.worker.call(
+                "bench", lambda _engine, _stop: target.reference.run(run, ids, self.req.max_tokens),
+                bounded=False)
+        stats = await target.worker.call(
+            "bench", lambda engine, stop: core.engine_run(
+                engine, ids, self.req.max_tokens, lambda: stop() or self.gone.is_set()),
+            bounded=False)
         return core.record_from_stats(run, stats)
 
     def _unload_references(self) -> None:
@@ -251,7 +260,7 @@ class BenchService:
             })
         return BenchRun(req, spec.id, lambda: resolve_model_dir(spec), spec.dtype,
                         spec.context_length, prompts, prompt_ids, targets, self.lock,
-                        self.settings.device)
+                        self.settings.device, self.settings.request_timeout_s)
 
 
 def _with_param(err: APIError, param: str) -> APIError:

@@ -13,19 +13,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engines.base import ClassificationResult
 
-from .protocol import EngineChoice
+from .protocol import EngineChoice, Text
 from .streaming import metrics, usage
 
 
 class ClassificationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1, max_length=256)
-    input: str | list[str] = Field(description="one text, or a list of texts, to classify")
-    labels: list[str] | None = Field(
+    model: Text = Field(min_length=1, max_length=256)
+    input: Text | list[Text] = Field(description="one text, or a list of texts, to classify")
+    labels: list[Text] | None = Field(
         None, description="zero-shot: the labels to choose from (a classify model has its own)"
     )
-    instruction: str | None = Field(
+    instruction: Text | None = Field(
         None, max_length=4000, description="zero-shot: what to do, e.g. 'What is the topic?'"
     )
     calibrate: bool | None = Field(

@@ -11,7 +11,7 @@ from engines.base import ClassifyParams, EngineError, UnsupportedModel
 from engines.config import ModelSpec
 
 from .classify_protocol import ClassificationRequest, classification_response
-from .errors import bad_request, from_engine_error
+from .errors import bad_request, echo, from_engine_error
 from .registry import ModelRegistry
 from .settings import Settings
 
@@ -28,7 +28,8 @@ class ClassificationService:
         params = self._params(req, spec)
         try:
             worker = await self.registry.worker(spec.id, req.engine)
-            result = await worker.call(worker.engine.classify, params)
+            result = await worker.call(
+                "classification", lambda engine, should_stop: engine.classify(params, should_stop))
         except UnsupportedModel as exc:
             raise bad_request(f"model '{spec.id}': {exc}", param="model") from exc
         except EngineError as exc:
@@ -67,7 +68,9 @@ class ClassificationService:
             raise bad_request("input must not be empty", param="input")
         cap = self.settings.max_classification_inputs
         if len(texts) > cap:
-            raise bad_request(f"at most {cap} inputs per request (got {len(texts)})", param="input")
+            raise bad_request(f"at most {cap} inputs per request (got {len(texts)}; the limit is "
+                              f"DUET_MAX_CLASSIFICATION_INPUTS)", param="input",
+                              code="classification_limit_exceeded")
         for i, text in enumerate(texts):
             if not text.strip():
                 where = "input" if isinstance(req.input, str) else f"input[{i}]"
@@ -79,7 +82,9 @@ class ClassificationService:
         if len(labels) < 2:
             raise bad_request("give at least 2 labels to choose from", param="labels")
         if len(labels) > cap:
-            raise bad_request(f"at most {cap} labels per request (got {len(labels)})", param="labels")
+            raise bad_request(f"at most {cap} labels per request (got {len(labels)}; the limit is "
+                              f"DUET_MAX_CLASSIFICATION_LABELS)", param="labels",
+                              code="classification_limit_exceeded")
         seen: dict[str, int] = {}
         out = []
         for i, raw in enumerate(labels):
@@ -87,11 +92,12 @@ class ClassificationService:
             if not label:
                 raise bad_request("a label must not be empty", param=f"labels[{i}]")
             if len(label) > longest:
-                raise bad_request(f"a label may have at most {longest} characters",
-                                  param=f"labels[{i}]")
+                raise bad_request(f"a label may have at most {longest} characters (the limit "
+                                  f"is DUET_MAX_LABEL_CHARS)", param=f"labels[{i}]",
+                                  code="classification_limit_exceeded")
             key = label.casefold()
             if key in seen:
-                raise bad_request(f"label '{label}' repeats labels[{seen[key]}]",
+                raise bad_request(f"label '{echo(label)}' repeats labels[{seen[key]}]",
                                   param=f"labels[{i}]")
             seen[key] = i
             out.append(label)

@@ -9,15 +9,10 @@ import sys
 
 
 def run_server(app, settings) -> None:
-    """uvicorn with duet's shutdown: on SIGTERM or Ctrl-C, in-flight requests get
-    settings.shutdown_timeout_s to finish; then they are cancelled, which stops their engines
-    at the next decode step, and the process exits."""
-    import uvicorn
+    """uvicorn with duet's connection limits and shutdown (server/uvicorn_server.py)."""
+    from .uvicorn_server import build_server
 
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout_s,
-    )
+    build_server(app, settings).run()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -37,7 +32,9 @@ def _serve(args: argparse.Namespace) -> int:
             "api_keys": args.api_key, "api_key_file": args.api_key_file,
             "cors_origins": args.cors_origin, "max_body_bytes": args.max_body_bytes,
             "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
-            "shutdown_timeout_s": args.shutdown_timeout,
+            "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
+            "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
+            "keep_alive_timeout_s": args.keep_alive_timeout,
         }.items() if v is not None
     }
     if args.mps_fallback:
@@ -119,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="time limit of one generation, queueing included (default 600)")
     serve.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
                        help="on SIGTERM, time in-flight requests get to finish (default 10)")
+    serve.add_argument("--max-connections", type=int,
+                       help="open connections at most (default 512); more are refused with 503")
+    serve.add_argument("--header-timeout", type=float, metavar="SECONDS",
+                       help="time a client has to send a request's headers (default 10)")
+    serve.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                       help="time a client has to send a request's body (default 30)")
+    serve.add_argument("--keep-alive-timeout", type=float, metavar="SECONDS",
+                       help="idle keep-alive connections are closed after this long (default 5)")
     prepare = sub.add_parser("prepare", help="convert a model into the cache and print its path")
     prepare.add_argument("--config", help="model registry file")
     prepare.add_argument("--model", help="model id (default: the first one)")

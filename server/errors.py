@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.base import BackendMissing, ContextLengthExceeded, EngineError
+from engines.base import BackendMissing, Cancelled, ContextLengthExceeded, EngineError
 
 log = logging.getLogger("duet.server")
 
@@ -47,15 +47,30 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+ECHO_CHARS = 64
+
+
+def echo(text: str) -> str:
+    """A short prefix of user input, for an error message: never the whole of a large value."""
+    text = str(text)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
 def model_not_found(model: str) -> APIError:
     return APIError(
-        404, f"The model '{model}' does not exist; GET /v1/models lists the models served",
+        404, f"The model '{echo(model)}' does not exist; GET /v1/models lists the models served",
         param="model", code="model_not_found",
     )
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down and stopped this request before it ended",
+                    type="server_error", code="server_shutting_down",
+                    headers={"Connection": "close"})
 
 
 def queue_full(label: str, waiting: int, retry_after_s: int) -> APIError:
@@ -107,13 +122,33 @@ def _param_from_loc(loc: tuple) -> str | None:
 
 # Validation error types raised by our own validators that become the error's code.
 _OWN_CODES = {"unsupported_parameter"}
+# Errors that say what is wrong with a value, preferred over the "not a string" of the other
+# members of a union (content may be a string or a list of parts: a bad list is not a string).
+_SPECIFIC = _OWN_CODES | {"invalid_text"}
+
+
+_STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                 413: "request_too_large", 415: "unsupported_media_type"}
+
+
+def _is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return True  # FastAPI parses a body without a content type as JSON
+    kind = content_type.split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def not_json(content_type: str) -> APIError:
+    return APIError(
+        415, f"the request body must be JSON, sent with 'Content-Type: application/json'; this "
+        f"one came as '{echo(content_type)}'", code="unsupported_media_type")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     errors = exc.errors()
     if not errors:
         return "Invalid request", None, "invalid_value"
-    first = errors[0]
+    first = next((e for e in errors if e.get("type") in _SPECIFIC), errors[0])
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON", None, "invalid_value"
     code = first["type"] if first.get("type") in _OWN_CODES else "invalid_value"
@@ -132,18 +167,31 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
+        content_type = request.headers.get("content-type")
+        errors = exc.errors()
+        if errors and tuple(errors[0].get("loc", ())) == ("body",) and not _is_json(content_type):
+            return not_json(content_type or "").response()  # the body was never read as JSON
         message, param, code = _validation_message(exc)
         return APIError(400, message, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+        message = str(exc.detail)
+        if exc.status_code == 400:  # FastAPI could not read the body at all (e.g. not UTF-8)
+            message = "the request body could not be read as JSON text (is it UTF-8?)"
+        code = _STATUS_CODES.get(exc.status_code, "invalid_value")
+        return APIError(exc.status_code, message, type=kind, code=code,
+                        headers=exc.headers).response()
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError):
         return from_engine_error(exc).response()
+
+    @app.exception_handler(Cancelled)
+    async def _cancelled(_: Request, exc: Cancelled):
+        return shutting_down().response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

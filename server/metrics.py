@@ -85,9 +85,18 @@ class _LiveCollector:
             "Requests admitted to an engine and not finished, the running one included",
             labels=["model", "engine"],
         )
+        jobs = GaugeMetricFamily(
+            "duet_engine_jobs", "Units of work admitted to an engine and not finished on its "
+            "thread (generations, classifications, bench runs), by state",
+            labels=["model", "engine", "state"],
+        )
         for model, engine, worker in self.model_registry.loaded_workers():
             depth.add_metric([model, engine], worker.pending)
+            status = worker.status()
+            jobs.add_metric([model, engine, "running"], status.running)
+            jobs.add_metric([model, engine, "waiting"], status.waiting)
         yield depth
+        yield jobs
         memory = self.process.memory_info()
         yield GaugeMetricFamily(
             "duet_process_resident_memory_bytes", "Resident memory of the server process",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engines.base import SamplingParams
@@ -20,19 +20,36 @@ MAX_STOP = 4
 MAX_MESSAGES = 2048  # OpenAI's own limit on the messages array
 SEED_RANGE = (-(2**63), 2**64 - 1)  # int64 or uint64, folded into uint64 for the engines
 EngineChoice = Literal["auto", "torch", "mlx"]
+TOP_K_MAX = 2**31 - 1  # no vocabulary is larger; a k at or above the model's keeps every token
+
+
+def _valid_text(value: str) -> str:
+    # JSON can carry a lone UTF-16 surrogate ("\ud800"), which Python keeps in a str but no
+    # tokenizer can encode: refuse it here, naming the field, instead of deep in an engine.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_text", "the text is not valid Unicode: it has a lone surrogate at "
+            "character {at}", {"at": exc.start}) from None
+    return value
+
+
+# Every string duet reads from a request, so that invalid text is refused at the edge.
+Text = Annotated[str, AfterValidator(_valid_text)]
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -55,13 +72,14 @@ class GenerationFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1, max_length=256)
+    model: Text = Field(min_length=1, max_length=256)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="duet extension: keep the k most likely tokens")
+    top_k: int = Field(0, ge=0, le=TOP_K_MAX, description="duet extension: keep the k most "
+                       "likely tokens (0, or a k at or above the vocabulary: keep all)")
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -151,7 +169,7 @@ class ChatCompletionRequest(GenerationFields):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     echo: bool = False
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {

@@ -18,7 +18,7 @@ from engines.factory import (
 )
 from engines.sources import resolve_model_dir
 
-from .errors import APIError, model_not_found
+from .errors import APIError, echo, model_not_found
 from .worker import EngineWorker
 
 log = logging.getLogger("duet.server")
@@ -93,7 +93,7 @@ class ModelRegistry:
         spec = self.spec(model_id)
         name = self.default_engine(model_id) if engine in (None, "auto") else engine
         if name not in self.factory.names:
-            raise APIError(400, f"unknown engine '{name}'", param="engine", code="invalid_value")
+            raise APIError(400, f"unknown engine '{echo(name)}'", param="engine", code="invalid_value")
         key = (spec.id, name)
         worker = self._workers.get(key)
         if worker is not None and worker.loaded:

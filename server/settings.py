@@ -67,7 +67,26 @@ class Settings(BaseSettings):
     )
     shutdown_timeout_s: float = Field(
         10.0, ge=0, description="On SIGTERM, how long in-flight requests may finish before "
-        "they are cancelled",
+        "they are ended (a stream with an error event and [DONE], a waiting request with 503)",
+    )
+    stuck_grace_s: float = Field(
+        10.0, gt=0, description="How far past its time limit a unit of engine work may run "
+        "before /health reports its engine stuck (503, degraded)",
+    )
+
+    # Connections: how many, and how long a client may take to send a request.
+    max_connections: int = Field(
+        512, ge=1, description="Open connections at most; more are refused with 503"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time to send a request's headers, from connecting or from "
+        "the previous response; then the connection is closed (408 if headers had begun)",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Time to send a request's body once its headers are in; then 408"
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="An idle keep-alive connection is closed after this long"
     )
 
     bench_enabled: bool = Field(

@@ -1,4 +1,5 @@
-"""Run an app under uvicorn on a free loopback port, in a background thread."""
+"""Run an app under duet's own uvicorn server (connection limits, shutdown) on a free loopback
+port, in a background thread."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import socket
 import threading
 import time
 
-import uvicorn
+from server.uvicorn_server import build_server
 
 
 def free_port() -> int:
@@ -16,11 +17,12 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, app, startup_timeout: float = 300.0):
+    def __init__(self, app, startup_timeout: float = 300.0, http: str = "auto"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
+        settings = app.state.settings.model_copy(update={"host": "127.0.0.1",
+                                                          "log_level": "warning"})
+        self._server = build_server(app, settings, port=self.port, http=http)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._timeout = startup_timeout
 

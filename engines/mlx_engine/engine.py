@@ -112,10 +112,10 @@ class MLXEngine(TokenLoopEngine):
         out = self.model(mx.array([list(prompt_ids)]))
         return np.array(out[0].astype(mx.float32))
 
-    def score_continuations(self, prompts, continuations):
+    def score_continuations(self, prompts, continuations, should_stop=None):
         from .scoring import score_continuations
 
-        return score_continuations(self.model, prompts, continuations)
+        return score_continuations(self.model, prompts, continuations, should_stop)
 
     def close(self) -> None:
         self.model = None

@@ -1,6 +1,7 @@
 """Scoring continuations with mlx-lm's model and KV cache, the way the torch engine does: the
 prompts' shared prefix once, each prompt's tail once (trimming the cache back to the prefix
-after it), then all continuations as one batch on a broadcast copy of that prompt's cache.
+after it), then the continuations in batches on a broadcast copy of that prompt's cache, in pieces of
+about PIECE_TOKENS tokens with the caller's stop flag asked between them.
 Right padding needs no mask: under the causal mask only later padding sees it."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..base import ContinuationScores, UnsupportedModel
-from ..classify import right_pad, shared_prefix_len
+from ..base import ContinuationScores, StopCheck, UnsupportedModel, check_stop
+from ..classify import right_pad, row_groups, shared_prefix_len, spans
 
 
 def _log_softmax(logits: mx.array) -> mx.array:
@@ -34,19 +35,30 @@ def _batched(cache: list, prompt_len: int, batch: int) -> list:
 
 
 def score_continuations(
-    model, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+    model,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    should_stop: StopCheck | None = None,
 ) -> ContinuationScores:
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     cache = make_prompt_cache(model)
     if not all(type(c) is KVCache for c in cache):
         raise UnsupportedModel("scoring needs a plain KV cache; this model uses another kind")
+
+    def prefill(tokens: Sequence[int]) -> mx.array:
+        """Last position's logits, prefilled piece by piece so that a stop is heard soon."""
+        for a, b in spans(len(tokens)):
+            check_stop(should_stop)
+            last = model(mx.array([list(tokens[a:b])]), cache=cache)[0, -1]
+            mx.eval(last)
+        return last
+
     score_s = 0.0
     started = time.perf_counter()
     shared = shared_prefix_len(prompts)
     if shared:
-        model(mx.array([list(prompts[0][:shared])]), cache=cache)
-        mx.eval([(c.keys, c.values) for c in cache])
+        prefill(prompts[0][:shared])
     batch = len(continuations)
     width = max(len(c) for c in continuations) - 1
     inputs = mx.array([right_pad(c[:-1], width) for c in continuations])
@@ -54,14 +66,19 @@ def score_continuations(
     firsts = mx.array([c[0] for c in continuations])
     out = []
     for prompt in prompts:
-        last = model(mx.array([list(prompt[shared:])]), cache=cache)[0, -1]
+        last = prefill(prompt[shared:])
         scores = _log_softmax(last)[firsts][:, None]
         mx.eval(scores)
         t1 = time.perf_counter()
         if width > 0:
-            logits = model(inputs, cache=_batched(cache, len(prompt), batch))
-            rest = mx.take_along_axis(_log_softmax(logits), targets[..., None], axis=-1)
-            scores = mx.concatenate([scores, rest[..., 0]], axis=1)
+            rest = []
+            for a, b in row_groups(batch, width):
+                check_stop(should_stop)
+                logits = model(inputs[a:b], cache=_batched(cache, len(prompt), b - a))
+                rest.append(mx.take_along_axis(
+                    _log_softmax(logits), targets[a:b, :, None], axis=-1)[..., 0])
+                mx.eval(rest[-1])
+            scores = mx.concatenate([scores, mx.concatenate(rest)], axis=1)
         values = scores.tolist()
         out.append(tuple(tuple(v[: len(c)]) for v, c in zip(values, continuations)))
         for c in cache:
@@ -69,4 +86,3 @@ def score_continuations(
         score_s += time.perf_counter() - t1
     prefill_s = time.perf_counter() - started - score_s
     return ContinuationScores(tuple(out), prefill_s, score_s)
-

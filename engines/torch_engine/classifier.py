@@ -13,6 +13,8 @@ import torch
 
 from ..base import (
     ClassificationResult,
+    StopCheck,
+    check_stop,
     ClassifyParams,
     ContextLengthExceeded,
     EngineInfo,
@@ -21,6 +23,8 @@ from ..base import (
     RequestStats,
     UnsupportedModel,
 )
+from .. import classify
+from ..classify import row_groups
 from ..device import choose_device, choose_dtype, memory_meter, torch_dtype
 
 log = logging.getLogger("duet.engines.torch")
@@ -62,24 +66,27 @@ class SequenceClassifierEngine:
         log.info("sequence classifier %s loaded on %s with labels %s", model_dir, self.device, self.labels)
 
     @torch.inference_mode()
-    def classify(self, params: ClassifyParams) -> ClassificationResult:
+    def classify(self, params: ClassifyParams, should_stop: StopCheck | None = None
+                 ) -> ClassificationResult:
         start = time.perf_counter()
         self._meter.reset()
-        enc = self.tokenizer(list(params.inputs), padding=True, return_tensors="pt")
-        lengths = enc["attention_mask"].sum(dim=1).tolist()
+        texts = list(params.inputs)
+        lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]]
         for n in lengths:
             if n > self.context_length:
                 raise ContextLengthExceeded(n, 0, self.context_length)
-        enc = {k: v.to(self.device) for k, v in enc.items()}
-        logits = self.model(**enc).logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1).cpu()
-        self._meter.sample()
         results = []
-        for row in logprobs.tolist():
-            best = max(range(len(row)), key=row.__getitem__)
-            scores = tuple(LabelScore(l, math.exp(lp), lp)
-                           for l, lp in zip(self.labels, row))
-            results.append(InputClassification(self.labels[best], scores))
+        # A few inputs at a time, so that a stop is heard between two batches.
+        for a, b in row_groups(len(texts), max(lengths), 4 * classify.PIECE_TOKENS):
+            check_stop(should_stop)
+            enc = self.tokenizer(texts[a:b], padding=True, return_tensors="pt")
+            enc = {k: v.to(self.device) for k, v in enc.items()}
+            logits = self.model(**enc).logits.float()
+            for row in torch.log_softmax(logits, dim=-1).cpu().tolist():
+                best = max(range(len(row)), key=row.__getitem__)
+                scores = tuple(LabelScore(l, math.exp(lp), lp) for l, lp in zip(self.labels, row))
+                results.append(InputClassification(self.labels[best], scores))
+        self._meter.sample()
         total = time.perf_counter() - start
         tokens = int(sum(lengths))
         stats = RequestStats(

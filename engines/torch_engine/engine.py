@@ -112,10 +112,10 @@ class TorchEngine(TokenLoopEngine):
         tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         return self.model(tokens, 0)[0].float().cpu().numpy()
 
-    def score_continuations(self, prompts, continuations):
+    def score_continuations(self, prompts, continuations, should_stop=None):
         from .scoring import score_continuations
 
-        return score_continuations(self.model, prompts, continuations, self.device)
+        return score_continuations(self.model, prompts, continuations, self.device, should_stop)
 
     def _kv_cache_bytes(self) -> int:
         return self.model.kv_cache_bytes

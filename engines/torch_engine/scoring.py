@@ -1,6 +1,7 @@
 """Scoring continuations on the eager path: the prompts' shared prefix is prefilled once into
 the model's own (batch-1) KV cache, each prompt's tail once after it, and then all
-continuations run as one batch on copies of that prompt's cache.
+continuations run in batches on copies of that prompt's cache. Work is cut into pieces of
+about PIECE_TOKENS tokens, with the caller's stop flag asked between them.
 
 Continuations are right-padded; under the causal mask a padding token is only ever seen by
 later padding, and its log-probabilities are dropped, so padding changes nothing."""
@@ -12,8 +13,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
-from ..base import ContinuationScores
-from ..classify import right_pad, shared_prefix_len
+from ..base import ContinuationScores, StopCheck, check_stop
+from ..classify import right_pad, row_groups, shared_prefix_len, spans
 from .model import KVCache, Transformer
 
 
@@ -40,15 +41,23 @@ def score_continuations(
     prompts: Sequence[Sequence[int]],
     continuations: Sequence[Sequence[int]],
     device: str,
+    should_stop: StopCheck | None = None,
 ) -> ContinuationScores:
     def tensor(rows):
         return torch.tensor(rows, dtype=torch.long, device=device)
+
+    def prefill(tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Last position's logits, prefilled piece by piece so that a stop is heard soon."""
+        for a, b in spans(len(tokens)):
+            check_stop(should_stop)
+            last = model(tensor([list(tokens[a:b])]), start + a, last_only=True)
+        return last[0, -1]
 
     score_s = 0.0
     started = time.perf_counter()
     shared = shared_prefix_len(prompts)
     if shared:
-        model(tensor([list(prompts[0][:shared])]), 0, last_only=True)
+        prefill(prompts[0][:shared], 0)
     batch = len(continuations)
     width = max(len(c) for c in continuations) - 1
     # Token j + 1 of a continuation is scored from the logits after token j.
@@ -57,18 +66,21 @@ def score_continuations(
     firsts = tensor([c[0] for c in continuations])
     out: list[tuple[tuple[float, ...], ...]] = []
     for prompt in prompts:
-        last = model(tensor([list(prompt[shared:])]), shared, last_only=True)[0, -1]
+        last = prefill(prompt[shared:], shared)
         scores = torch.log_softmax(last.float(), dim=-1)[firsts][:, None]  # [B, 1]
         t1 = time.perf_counter()
         if width > 0:
-            with batched_caches(model, len(prompt), batch, width):
-                logits = model(inputs, len(prompt))
-            rest = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])
-            scores = torch.cat([scores, rest[..., 0]], dim=1)
+            rest = []
+            for a, b in row_groups(batch, width):
+                check_stop(should_stop)
+                with batched_caches(model, len(prompt), b - a, width):
+                    logits = model(inputs[a:b], len(prompt))
+                rest.append(torch.log_softmax(logits.float(), dim=-1).gather(
+                    -1, targets[a:b, :, None])[..., 0])
+            scores = torch.cat([scores, torch.cat(rest)], dim=1)
         values = scores.cpu().tolist()
         out.append(tuple(tuple(v[: len(c)]) for v, c in zip(values, continuations)))
         t2 = time.perf_counter()
         score_s += t2 - t1
     prefill_s = time.perf_counter() - started - score_s  # the shared prefix counts too
     return ContinuationScores(tuple(out), prefill_s, score_s)
-

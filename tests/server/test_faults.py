@@ -159,8 +159,51 @@ def test_sigterm_lets_requests_finish_or_cancels_them_in_bounded_time(
                        for l in got["lines"] if l.startswith('data: {"id'))
         assert text == "z" * reply_tokens and took < grace
     else:
-        # 2000 tokens would take 100 s: cancelled after the grace period, and the engine
-        # stopped at once rather than running on.
-        assert got["lines"][-1] != "data: [DONE]"
+        # 2000 tokens would take 100 s: ended after the grace period with an error event and
+        # [DONE], and the engine stopped at once rather than running on.
+        assert got["lines"][-1] == "data: [DONE]", got["lines"][-3:]
+        assert json.loads(got["lines"][-2][6:])["error"]["code"] == "server_shutting_down"
         assert took < grace + 8, took
         assert tokens < (grace + 8) / 0.05, tokens
+
+
+def test_shutdown_past_its_grace_ends_every_open_request_cleanly(tmp_path, models_file):
+    """5 streams and 2 plain requests open when the 1 s grace period runs out: the running
+    stream gets an error event and [DONE], every waiting request a JSON 503, and no traceback
+    reaches the log."""
+    proc, url = start_server(tmp_path, models_file, 2000, 1)
+    results: dict[int, dict] = {}
+
+    def request(i: int, stream: bool) -> None:
+        body = chat("tiny", stream=stream, max_tokens=2000)
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line]
+                results[i] = {"status": r.status_code, "lines": lines}
+        except httpx.HTTPError as exc:
+            results[i] = {"error": repr(exc)}
+
+    try:
+        threads = [threading.Thread(target=request, args=(i, i < 5)) for i in range(7)]
+        for t in threads:
+            t.start()
+            time.sleep(0.1)
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/health").json()["engines"][0]["waiting"] < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=20)
+        for t in threads:
+            t.join(10)
+    finally:
+        proc.kill()
+    assert "Traceback" not in output and "Exception in ASGI" not in output, output
+    assert len(results) == 7, results
+    streamed = results[0]
+    assert streamed["status"] == 200 and streamed["lines"][-1] == "data: [DONE]", streamed
+    assert json.loads(streamed["lines"][-2][6:])["error"]["code"] == "server_shutting_down"
+    for i in range(1, 7):
+        assert results[i]["status"] == 503, results[i]
+        error = json.loads(results[i]["lines"][0])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"

@@ -1,0 +1,91 @@
+"""Bad input at the edge: every 4xx has a code (and a param where one field is at fault), invalid
+text is refused naming its field, and no message echoes more than a short prefix of the input."""
+
+import json
+
+import pytest
+
+from server.errors import ECHO_CHARS
+from tests.server.test_api import CHAT, assert_openai_error
+
+LONE = "caf\ud800e"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONE}]},
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {**CHAT, "stop": [LONE]}, "stop[0]"),
+    ("/v1/completions", {"model": "tiny", "prompt": LONE}, "prompt"),
+    ("/v1/classifications", {"model": "tiny", "input": LONE, "labels": ["a", "b"]}, "input"),
+    ("/v1/classifications", {"model": "tiny", "input": "x", "labels": ["a", LONE]}, "labels[1]"),
+])
+def test_a_lone_surrogate_is_invalid_value_naming_the_field(client, path, body, param):
+    raw = json.dumps(body).encode()  # ASCII JSON: the surrogate travels as the escape \ud800
+    resp = client.post(path, content=raw, headers={"content-type": "application/json"})
+    err = assert_openai_error(resp, 400, param=param, code="invalid_value")
+    assert "surrogate" in err["message"]
+
+
+def test_a_body_that_is_not_utf8_is_invalid_value(client):
+    resp = client.post("/v1/chat/completions", content=b'{"model": "tiny\xff\xfe"}',
+                       headers={"content-type": "application/json"})
+    err = assert_openai_error(resp, 400, code="invalid_value")
+    assert "JSON" in err["message"]
+
+
+def test_broken_json_is_invalid_value(client):
+    resp = client.post("/v1/chat/completions", content=b'{"model": ',
+                       headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, code="invalid_value")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_that_is_not_sent_as_json_says_so(client, content_type):
+    resp = client.post("/v1/chat/completions", content=b'{"model": "tiny"}',
+                       headers={"content-type": content_type})
+    err = assert_openai_error(resp, 415, code="unsupported_media_type")
+    assert "application/json" in err["message"] and content_type in err["message"]
+
+
+@pytest.mark.parametrize("top_k, ok", [(0, True), (300, True), (2**31 - 1, True), (2**31, False),
+                                       (2**62, False), (-1, False)])
+def test_top_k_is_bounded_and_a_k_past_the_vocabulary_keeps_every_token(client, top_k, ok):
+    resp = client.post("/v1/chat/completions", json={**CHAT, "top_k": top_k, "temperature": 0.7})
+    if ok:
+        assert resp.status_code == 200, resp.text
+    else:
+        assert_openai_error(resp, 400, param="top_k", code="invalid_value")
+
+
+def test_a_huge_model_id_is_not_echoed_back(client):
+    huge = "m" * 60000
+    err = assert_openai_error(client.get(f"/v1/models/{huge}"), 404, param="model",
+                              code="model_not_found")
+    assert len(err["message"]) < ECHO_CHARS + 200 and "60000 characters" in err["message"]
+    err = assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, "model": huge}),
+                              400, param="model", code="invalid_value")
+    assert len(err["message"]) < 300
+
+
+def test_unknown_paths_and_methods_have_codes(client):
+    assert_openai_error(client.get("/v1/nothing-here"), 404, code="not_found")
+    assert_openai_error(client.delete("/v1/chat/completions"), 405, code="method_not_allowed")
+
+
+def test_classification_limits_name_their_setting(make_client):
+    with make_client(max_classification_inputs=2, max_classification_labels=3,
+                     max_label_chars=5) as client:
+        for body, param, setting in [
+            ({"input": ["a", "b", "c"], "labels": ["x", "y"]}, "input",
+             "DUET_MAX_CLASSIFICATION_INPUTS"),
+            ({"input": "a", "labels": ["w", "x", "y", "z"]}, "labels",
+             "DUET_MAX_CLASSIFICATION_LABELS"),
+            ({"input": "a", "labels": ["x", "toolong"]}, "labels[1]", "DUET_MAX_LABEL_CHARS"),
+        ]:
+            err = assert_openai_error(client.post("/v1/classifications",
+                                                  json={"model": "tiny", **body}),
+                                      400, param=param, code="classification_limit_exceeded")
+            assert setting in err["message"]
