@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.base import ClassifyParams
+from engines import classify
+from engines.base import Cancelled, ClassifyParams
 from engines.classify import shared_prefix_len
 from engines.torch_engine import TorchEngine
 
@@ -94,3 +95,47 @@ def test_mlx_and_torch_probabilities_agree(tiny_dirs):
             np.testing.assert_allclose([s.probability for s in ra.scores],
                                        [s.probability for s in rb.scores], atol=1e-3)
         assert a.stats.prompt_tokens == b.stats.prompt_tokens
+
+
+def _engines(tiny_dirs, which):
+    path = tiny_dirs["llama"][0]
+    if which == "torch":
+        return TorchEngine(path, context_length=256, dtype="float32", device="cpu")
+    pytest.importorskip("mlx_lm", reason="the mlx extra is installed by scripts/setup.sh")
+    from engines.mlx_engine import MLXEngine
+
+    return MLXEngine(path, context_length=256, dtype="float32")
+
+
+@pytest.mark.parametrize("which", ["torch", "mlx"])
+def test_scoring_in_small_pieces_gives_the_same_scores(tiny_dirs, monkeypatch, which):
+    """Prefill and continuation batches cut into pieces of 2 tokens (so that a stop is heard
+    between them) score exactly as one piece does."""
+    engine = _engines(tiny_dirs, which)
+    whole = engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
+    monkeypatch.setattr(classify, "PIECE_TOKENS", 2)
+    assert classify.spans(5) == [(0, 2), (2, 4), (4, 5)]
+    assert classify.row_groups(3, 4) == [(0, 1), (1, 2), (2, 3)]  # one row of 4 tokens each
+    pieces = engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
+    for a, b in zip(whole, pieces):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=2e-5)
+
+
+@pytest.mark.parametrize("which", ["torch", "mlx"])
+def test_a_stop_ends_scoring_at_the_next_piece(tiny_dirs, monkeypatch, which):
+    engine = _engines(tiny_dirs, which)
+    monkeypatch.setattr(classify, "PIECE_TOKENS", 2)
+    asked = []
+
+    def should_stop():  # says stop on the fourth question
+        asked.append(1)
+        return len(asked) >= 4
+
+    with pytest.raises(Cancelled):
+        engine.score_continuations(PROMPTS, CONTINUATIONS, should_stop)
+    assert len(asked) == 4  # asked between pieces, and nothing ran after the stop
+    with pytest.raises(Cancelled):
+        engine.classify(ClassifyParams(inputs=("a", "b"), labels=("x", "y")), lambda: True)
+    # The engine is fine afterwards.
+    assert engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
