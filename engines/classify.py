@@ -21,12 +21,12 @@ from collections.abc import Sequence
 
 from .base import (
     ClassificationResult,
-    StopCheck,
     ClassifyParams,
     ContextLengthExceeded,
     InputClassification,
     LabelScore,
     RequestStats,
+    StopCheck,
     UnsupportedModel,
 )
 

