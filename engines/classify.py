@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from .base import (
     ClassificationResult,
@@ -84,22 +85,43 @@ def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
     return n
 
 
-# Scoring is cut into pieces of about this many tokens, and the caller's stop flag is asked
-# between two pieces: on a 2-core CPU and the default 135M model, 256 tokens of prefill take
-# about 0.4 s, so a client that leaves stops its classification within a second.
-PIECE_TOKENS = 256
+# Scoring is cut into pieces, with the caller's stop flag asked between two of them, each
+# sized from the speed of the pieces before it to take about PIECE_SECONDS: on a 2-core CPU
+# the torch engine reads about 600 tokens a second of the default model and MLX's CPU backend
+# about 8, so one fixed size could not serve both. A stop is heard within about a piece.
+PIECE_SECONDS = 0.3
+PIECE_TOKENS_FIRST = 4  # before any speed is known: 0.5 s on MLX's CPU backend
+PIECE_TOKENS_MAX = 1024
 
 
-def spans(n: int, size: int | None = None) -> list[tuple[int, int]]:
-    """[0, n) cut into consecutive (start, end) pieces of at most size (PIECE_TOKENS)."""
-    size = size or PIECE_TOKENS
-    return [(i, min(i + size, n)) for i in range(0, n, size)]
+class Pacer:
+    """Sizes pieces of scoring work from the speed measured so far."""
 
+    def __init__(self) -> None:
+        self.size = min(PIECE_TOKENS_FIRST, PIECE_TOKENS_MAX)
 
-def row_groups(rows: int, width: int, budget: int | None = None) -> list[tuple[int, int]]:
-    """Rows of a batch of continuations, each `width` tokens wide, grouped so that a group
-    runs about budget (PIECE_TOKENS) tokens, at least one row."""
-    return spans(rows, max(1, (budget or PIECE_TOKENS) // max(width, 1)))
+    @contextmanager
+    def piece(self, tokens: int):
+        """Time one piece of `tokens` tokens and size the next from it."""
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        if seconds > 0:
+            self.size = max(1, min(PIECE_TOKENS_MAX, int(tokens / seconds * PIECE_SECONDS)))
+
+    def spans(self, n: int, weight: int = 1) -> Iterator[tuple[int, int]]:
+        """[0, n) as consecutive (start, end) pieces, each as large as the pacer says when it
+        is handed out; a step costs `weight` tokens (rows of a batch)."""
+        start = 0
+        while start < n:
+            end = min(n, start + max(1, self.size // weight))
+            yield start, end
+            start = end
+
+    def row_groups(self, rows: int, width: int) -> Iterator[tuple[int, int]]:
+        """A batch of `rows` continuations `width` tokens wide in groups of whole rows (one
+        row when a row is more than a piece: then spans() cuts it along its tokens)."""
+        return self.spans(rows, max(width, 1))
 
 
 def right_pad(tokens: Sequence[int], width: int) -> list[int]:
@@ -116,6 +138,25 @@ def _softmax(scores: Sequence[float]) -> list[float]:
 def _label_score(logprobs: Sequence[float], scoring: str) -> float:
     total = float(sum(logprobs))
     return total / len(logprobs) if scoring == "mean" else total
+
+
+def _prefill_tokens(groups: Sequence[Sequence[Sequence[int]]]) -> int:
+    """Tokens prefilled when each group is scored in one call: its shared prefix once, then
+    every prompt's own tail."""
+    total = 0
+    for group in groups:
+        shared = shared_prefix_len(group)
+        total += shared + sum(len(p) - shared for p in group)
+    return total
+
+
+def _prefix_groups(prompts: list[list[int]], listings: int) -> list[list[list[int]]]:
+    """The prompts in one call, or in one call per label listing when that prefills less: the
+    prompts of a listing also share the label list, which is most of each prompt when the
+    labels are many or long, while short labels would not repay the common part twice."""
+    per = len(prompts) // listings
+    split = [prompts[k * per : (k + 1) * per] for k in range(listings)]
+    return split if _prefill_tokens(split) < _prefill_tokens([prompts]) else [prompts]
 
 
 def zero_shot(
@@ -139,12 +180,9 @@ def zero_shot(
         if len(p) + longest > engine.context_length:
             raise ContextLengthExceeded(len(p), longest, engine.context_length)
 
-    # One call per listing: the prompts of a listing share the instruction and the label list,
-    # which is most of each prompt when the labels are many or long, and is prefilled once.
     per_listing = [
-        engine.score_continuations(
-            prompts[k * len(texts) : (k + 1) * len(texts)], continuations, should_stop)
-        for k in range(len(listings))
+        engine.score_continuations(group, continuations, should_stop)
+        for group in _prefix_groups(prompts, len(listings))
     ]
     engine._meter.sample()
     per_prompt = [

@@ -319,7 +319,7 @@ async def soak(url: str, pid: int, clients: int, minutes: float, max_tokens: int
 
 async def shutdown_under_load(url: str, proc: subprocess.Popen, log_path: Path,
                               requests: int, max_tokens: int) -> dict:
-    """SIGTERM while `requests` long generations are open (one running, the rest waiting).
+    """SIGTERM while `requests` long generations are open (a stream running, the rest waiting).
     Each must end cleanly: complete, a stream's error event then [DONE], or a JSON 503."""
     outcomes: Counter = Counter()
     rng = random.Random(99)
@@ -343,8 +343,10 @@ async def shutdown_under_load(url: str, proc: subprocess.Popen, log_path: Path,
             outcomes[f"bad:{resp.status_code}:{(lines or [''])[-1][:40]}"] += 1
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        tasks = [asyncio.create_task(one(i, client)) for i in range(requests)]
-        await asyncio.sleep(3)
+        tasks = [asyncio.create_task(one(0, client))]  # a stream, first: it will be running
+        await asyncio.sleep(1)
+        tasks += [asyncio.create_task(one(i, client)) for i in range(1, requests)]
+        await asyncio.sleep(2)
         sent = time.monotonic()
         proc.terminate()
         await asyncio.gather(*tasks)

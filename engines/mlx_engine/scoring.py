@@ -1,7 +1,7 @@
 """Scoring continuations with mlx-lm's model and KV cache, the way the torch engine does: the
 prompts' shared prefix once, each prompt's tail once (trimming the cache back to the prefix
-after it), then the continuations in batches on a broadcast copy of that prompt's cache, in pieces of
-about PIECE_TOKENS tokens with the caller's stop flag asked between them.
+after it), then the continuations in batches on a broadcast copy of that prompt's cache, in pieces sized
+by a Pacer with the caller's stop flag asked between them.
 Right padding needs no mask: under the causal mask only later padding sees it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..base import ContinuationScores, StopCheck, UnsupportedModel, check_stop
-from ..classify import right_pad, row_groups, shared_prefix_len, spans
+from ..classify import Pacer, right_pad, shared_prefix_len
 
 
 def _log_softmax(logits: mx.array) -> mx.array:
@@ -46,12 +46,15 @@ def score_continuations(
     if not all(type(c) is KVCache for c in cache):
         raise UnsupportedModel("scoring needs a plain KV cache; this model uses another kind")
 
+    pacer = Pacer()
+
     def prefill(tokens: Sequence[int]) -> mx.array:
         """Last position's logits, prefilled piece by piece so that a stop is heard soon."""
-        for a, b in spans(len(tokens)):
+        for a, b in pacer.spans(len(tokens)):
             check_stop(should_stop)
-            last = model(mx.array([list(tokens[a:b])]), cache=cache)[0, -1]
-            mx.eval(last)
+            with pacer.piece(b - a):
+                last = model(mx.array([list(tokens[a:b])]), cache=cache)[0, -1]
+                mx.eval(last)
         return last
 
     score_s = 0.0
@@ -71,14 +74,19 @@ def score_continuations(
         mx.eval(scores)
         t1 = time.perf_counter()
         if width > 0:
-            rest = []
-            for a, b in row_groups(batch, width):
-                check_stop(should_stop)
-                logits = model(inputs[a:b], cache=_batched(cache, len(prompt), b - a))
-                rest.append(mx.take_along_axis(
-                    _log_softmax(logits), targets[a:b, :, None], axis=-1)[..., 0])
-                mx.eval(rest[-1])
-            scores = mx.concatenate([scores, mx.concatenate(rest)], axis=1)
+            groups = []
+            for r0, r1 in pacer.row_groups(batch, width):
+                columns = []
+                batched = _batched(cache, len(prompt), r1 - r0)
+                for c0, c1 in pacer.spans(width, r1 - r0):
+                    check_stop(should_stop)
+                    with pacer.piece((r1 - r0) * (c1 - c0)):
+                        logits = model(inputs[r0:r1, c0:c1], cache=batched)
+                        columns.append(mx.take_along_axis(
+                            _log_softmax(logits), targets[r0:r1, c0:c1, None], axis=-1)[..., 0])
+                        mx.eval(columns[-1])
+                groups.append(mx.concatenate(columns, axis=1))
+            scores = mx.concatenate([scores, mx.concatenate(groups)], axis=1)
         values = scores.tolist()
         out.append(tuple(tuple(v[: len(c)]) for v, c in zip(values, continuations)))
         for c in cache:

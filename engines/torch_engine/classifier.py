@@ -23,8 +23,7 @@ from ..base import (
     RequestStats,
     UnsupportedModel,
 )
-from .. import classify
-from ..classify import row_groups
+from ..classify import Pacer
 from ..device import choose_device, choose_dtype, memory_meter, torch_dtype
 
 log = logging.getLogger("duet.engines.torch")
@@ -76,12 +75,14 @@ class SequenceClassifierEngine:
             if n > self.context_length:
                 raise ContextLengthExceeded(n, 0, self.context_length)
         results = []
+        pacer = Pacer()
         # A few inputs at a time, so that a stop is heard between two batches.
-        for a, b in row_groups(len(texts), max(lengths), 4 * classify.PIECE_TOKENS):
+        for a, b in pacer.row_groups(len(texts), max(lengths)):
             check_stop(should_stop)
             enc = self.tokenizer(texts[a:b], padding=True, return_tensors="pt")
             enc = {k: v.to(self.device) for k, v in enc.items()}
-            logits = self.model(**enc).logits.float()
+            with pacer.piece(int(enc["attention_mask"].sum())):
+                logits = self.model(**enc).logits.float()
             for row in torch.log_softmax(logits, dim=-1).cpu().tolist():
                 best = max(range(len(row)), key=row.__getitem__)
                 scores = tuple(LabelScore(l, math.exp(lp), lp) for l, lp in zip(self.labels, row))

@@ -1,7 +1,7 @@
 """Scoring continuations on the eager path: the prompts' shared prefix is prefilled once into
 the model's own (batch-1) KV cache, each prompt's tail once after it, and then all
-continuations run in batches on copies of that prompt's cache. Work is cut into pieces of
-about PIECE_TOKENS tokens, with the caller's stop flag asked between them.
+continuations run in batches on copies of that prompt's cache. Work is cut into pieces sized
+by a Pacer, with the caller's stop flag asked between them.
 
 Continuations are right-padded; under the causal mask a padding token is only ever seen by
 later padding, and its log-probabilities are dropped, so padding changes nothing."""
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 from ..base import ContinuationScores, StopCheck, check_stop
-from ..classify import right_pad, row_groups, shared_prefix_len, spans
+from ..classify import Pacer, right_pad, shared_prefix_len
 from .model import KVCache, Transformer
 
 
@@ -46,11 +46,14 @@ def score_continuations(
     def tensor(rows):
         return torch.tensor(rows, dtype=torch.long, device=device)
 
+    pacer = Pacer()
+
     def prefill(tokens: Sequence[int], start: int) -> torch.Tensor:
         """Last position's logits, prefilled piece by piece so that a stop is heard soon."""
-        for a, b in spans(len(tokens)):
+        for a, b in pacer.spans(len(tokens)):
             check_stop(should_stop)
-            last = model(tensor([list(tokens[a:b])]), start + a, last_only=True)
+            with pacer.piece(b - a):
+                last = model(tensor([list(tokens[a:b])]), start + a, last_only=True)
         return last[0, -1]
 
     score_s = 0.0
@@ -70,14 +73,18 @@ def score_continuations(
         scores = torch.log_softmax(last.float(), dim=-1)[firsts][:, None]  # [B, 1]
         t1 = time.perf_counter()
         if width > 0:
-            rest = []
-            for a, b in row_groups(batch, width):
-                check_stop(should_stop)
-                with batched_caches(model, len(prompt), b - a, width):
-                    logits = model(inputs[a:b], len(prompt))
-                rest.append(torch.log_softmax(logits.float(), dim=-1).gather(
-                    -1, targets[a:b, :, None])[..., 0])
-            scores = torch.cat([scores, torch.cat(rest)], dim=1)
+            groups = []
+            for r0, r1 in pacer.row_groups(batch, width):
+                columns = []
+                with batched_caches(model, len(prompt), r1 - r0, width):
+                    for c0, c1 in pacer.spans(width, r1 - r0):
+                        check_stop(should_stop)
+                        with pacer.piece((r1 - r0) * (c1 - c0)):
+                            logits = model(inputs[r0:r1, c0:c1], len(prompt) + c0)
+                        columns.append(torch.log_softmax(logits.float(), dim=-1).gather(
+                            -1, targets[r0:r1, c0:c1, None])[..., 0])
+                groups.append(torch.cat(columns, dim=1))
+            scores = torch.cat([scores, torch.cat(groups)], dim=1)
         values = scores.cpu().tolist()
         out.append(tuple(tuple(v[: len(c)]) for v, c in zip(values, continuations)))
         t2 = time.perf_counter()

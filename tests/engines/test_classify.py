@@ -107,15 +107,37 @@ def _engines(tiny_dirs, which):
     return MLXEngine(path, context_length=256, dtype="float32")
 
 
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(classify, "PIECE_TOKENS_FIRST", 2)
+    monkeypatch.setattr(classify, "PIECE_TOKENS_MAX", 2)
+
+
+def test_the_pacer_sizes_pieces_from_the_speed_so_far(monkeypatch):
+    monkeypatch.setattr(classify, "PIECE_SECONDS", 0.5)
+    monkeypatch.setattr(classify, "PIECE_TOKENS_FIRST", 16)
+    clock = iter([0.0, 0.1, 1.0, 3.0])  # a piece of 16 tokens in 0.1 s, then 80 in 2 s
+    monkeypatch.setattr(classify.time, "perf_counter", lambda: next(clock))
+    pacer = classify.Pacer()
+    assert pacer.size == classify.PIECE_TOKENS_FIRST == 16
+    with pacer.piece(16):
+        pass
+    assert pacer.size == 80  # 160 tokens/s x 0.5 s
+    with pacer.piece(80):
+        pass
+    assert pacer.size == 20  # 40 tokens/s x 0.5 s
+
+
 @pytest.mark.parametrize("which", ["torch", "mlx"])
 def test_scoring_in_small_pieces_gives_the_same_scores(tiny_dirs, monkeypatch, which):
     """Prefill and continuation batches cut into pieces of 2 tokens (so that a stop is heard
-    between them) score exactly as one piece does."""
+    between them; a continuation cut along its tokens too) score exactly as one piece does."""
     engine = _engines(tiny_dirs, which)
     whole = engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
-    monkeypatch.setattr(classify, "PIECE_TOKENS", 2)
-    assert classify.spans(5) == [(0, 2), (2, 4), (4, 5)]
-    assert classify.row_groups(3, 4) == [(0, 1), (1, 2), (2, 3)]  # one row of 4 tokens each
+    small_pieces(monkeypatch)
+    pacer = classify.Pacer()
+    assert list(pacer.spans(5)) == [(0, 2), (2, 4), (4, 5)]
+    assert list(pacer.row_groups(3, 4)) == [(0, 1), (1, 2), (2, 3)]  # a row is 4 tokens
+    assert list(pacer.spans(3, 1)) == [(0, 2), (2, 3)]  # and is cut along its tokens
     pieces = engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
     for a, b in zip(whole, pieces):
         for x, y in zip(a, b):
@@ -125,7 +147,7 @@ def test_scoring_in_small_pieces_gives_the_same_scores(tiny_dirs, monkeypatch, w
 @pytest.mark.parametrize("which", ["torch", "mlx"])
 def test_a_stop_ends_scoring_at_the_next_piece(tiny_dirs, monkeypatch, which):
     engine = _engines(tiny_dirs, which)
-    monkeypatch.setattr(classify, "PIECE_TOKENS", 2)
+    small_pieces(monkeypatch)
     asked = []
 
     def should_stop():  # says stop on the fourth question
@@ -139,3 +161,12 @@ def test_a_stop_ends_scoring_at_the_next_piece(tiny_dirs, monkeypatch, which):
         engine.classify(ClassifyParams(inputs=("a", "b"), labels=("x", "y")), lambda: True)
     # The engine is fine afterwards.
     assert engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
+
+
+def test_prompts_are_scored_per_label_listing_only_when_that_prefills_less():
+    head, texts = list(range(1, 11)), [[7], [8, 9], [10]]
+    long_a, long_b = list(range(20, 60)), list(range(60, 100))  # two orders of a long list
+    prompts = [head + long_a + t for t in texts] + [head + long_b + t for t in texts]
+    assert classify._prefix_groups(prompts, 2) == [prompts[:3], prompts[3:]]
+    short = [head + [20] + t for t in texts] + [head + [21] + t for t in texts]
+    assert classify._prefix_groups(short, 2) == [short]
