@@ -22,8 +22,9 @@ task = "classify"
 class FakeFactory:
     names = ("torch", "mlx")
 
-    def __init__(self, available=("torch", "mlx"), **engine_kwargs):
+    def __init__(self, available=("torch", "mlx"), engine_class=FakeEngine, **engine_kwargs):
         self._available = set(available)
+        self.engine_class = engine_class
         self.engine_kwargs = engine_kwargs
         self.engines: dict[str, FakeEngine] = {}
 
@@ -35,7 +36,7 @@ class FakeFactory:
             engine = FakeClassifier(name)
             self.engines[f"{spec.id}-{name}"] = engine
             return engine
-        engine = FakeEngine(name, context_length=spec.context_length, **self.engine_kwargs)
+        engine = self.engine_class(name, context_length=spec.context_length, **self.engine_kwargs)
         self.engines[name] = engine
         return engine
 

@@ -139,16 +139,9 @@ class StubbornEngine(FakeEngine):
         return super().score_continuations(prompts, continuations)
 
 
-class StubbornFactory(FakeFactory):
-    def create(self, name, spec):
-        engine = StubbornEngine(name, context_length=spec.context_length)
-        self.engines[name] = engine
-        return engine
-
-
 def test_health_is_degraded_while_an_engine_is_stuck_past_the_time_limit(models_file):
     settings = Settings(models_file=models_file, request_timeout_s=0.3, stuck_grace_s=0.3)
-    app = create_app(settings, StubbornFactory())
+    app = create_app(settings, FakeFactory(engine_class=StubbornEngine))
     with LiveServer(app) as server:
         httpx.post(server.url + "/v1/chat/completions", json=CHAT)  # load the engine
         assert_openai_error(httpx.post(server.url + "/v1/classifications", json=BIG, timeout=30),

@@ -70,15 +70,8 @@ class FailsOnceEngine(FakeEngine):
             yield token
 
 
-class FailsOnceFactory(FakeFactory):
-    def create(self, name, spec):
-        engine = FailsOnceEngine(name, context_length=spec.context_length)
-        self.engines[name] = engine
-        return engine
-
-
 def test_an_engine_failure_mid_stream_then_the_next_request_works(make_client):
-    with make_client(FailsOnceFactory()) as client:
+    with make_client(FakeFactory(engine_class=FailsOnceEngine)) as client:
         events = sse_events(client.post("/v1/chat/completions", json=chat("tiny", stream=True,
                                                                             max_tokens=50)).text)
         assert events[-1] == "[DONE]"
