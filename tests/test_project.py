@@ -53,6 +53,13 @@ def test_second_setup_run_reinstalls_nothing(mode):
     assert again.returncode == 0 and again.stdout == "" and again.stderr == ""
 
 
+def test_serve_sets_up_for_serving_and_test_for_testing():
+    serve = (ROOT / "scripts/serve.sh").read_text()
+    test = (ROOT / "scripts/test.sh").read_text()
+    assert "scripts/setup.sh serve" in serve and "apt-get" not in serve
+    assert "scripts/setup.sh test" in test
+
+
 def test_serving_setup_installs_only_what_serving_needs(tmp_path):
     """scripts/serve.sh's set-up on a fresh environment: duet, the engines and the default
     model; no test tools, browser or Triton; no apt-get; nothing written outside the
