@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+from .errors import APIError
+
 
 def _raw_response(status: int, reason: str, message: str, code: str,
                   type_: str = "invalid_request_error") -> bytes:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None,
-                                 "code": code}}).encode()
+    """An error written straight to the socket, before any request exists to answer."""
+    body = json.dumps(APIError(status, message, type=type_, code=code).body()).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
@@ -34,7 +36,7 @@ class ConnectionLimits:
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
-        self._head_bytes = 0
+        self._head_started = False  # some bytes of the next request's head have come
         if len(self.connections) > self.max_connections:  # type: ignore[attr-defined]
             transport.write(_raw_response(
                 503, "Service Unavailable",
@@ -46,7 +48,7 @@ class ConnectionLimits:
 
     def data_received(self, data: bytes) -> None:
         if self._awaiting_head():
-            self._head_bytes += len(data)
+            self._head_started = True
         super().data_received(data)  # type: ignore[misc]
 
     def on_response_complete(self) -> None:
@@ -63,7 +65,7 @@ class ConnectionLimits:
 
     def _arm_head_timer(self) -> None:
         self._cancel_head_timer()
-        self._head_bytes = 0
+        self._head_started = False
         if not self.transport.is_closing():  # type: ignore[attr-defined]
             loop = asyncio.get_running_loop()
             self._head_timer = loop.call_later(self.header_timeout_s, self._head_timed_out)
@@ -78,7 +80,7 @@ class ConnectionLimits:
         transport = self.transport  # type: ignore[attr-defined]
         if not self._awaiting_head() or transport.is_closing():
             return  # a request is being served: its body and run have limits of their own
-        if self._head_bytes:  # half a request: say why before closing
+        if self._head_started:  # half a request: say why before closing
             transport.write(_raw_response(
                 408, "Request Timeout", f"the request's headers did not arrive within "
                 f"{self.header_timeout_s:g} s (DUET_HEADER_TIMEOUT_S)", "request_timeout"))

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import weakref
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError, shutting_down
+from .streaming import DONE, ResponseShape, sse
 
 CLOSE = {"Connection": "close"}
 LINGER_S = 2.0
@@ -126,7 +126,7 @@ class RequestGuard:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             if expiry.done() and not watcher.done() and not response.finished:
-                await self._end_for_shutdown(response, send)
+                await self._end_for_shutdown(response, scope, receive, send)
         finally:
             # Also reached when this request itself is cancelled (uvicorn's last resort at
             # shutdown): nothing of ours may outlive it.
@@ -135,20 +135,16 @@ class RequestGuard:
             await asyncio.gather(task, watcher, expiry, return_exceptions=True)
 
     @staticmethod
-    async def _end_for_shutdown(response: "_ResponseState", send: Send) -> None:
+    async def _end_for_shutdown(response: "_ResponseState", scope: Scope, receive: Receive,
+                                send: Send) -> None:
         err = shutting_down()
         if not response.started:
-            body = json.dumps(err.body()).encode()
-            await send({"type": "http.response.start", "status": err.status, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+            await err.response()(scope, receive, send)
             return
-        tail = b""
+        tail = ""
         if response.event_stream:
-            event = {"error": {**err.body()["error"], "param": None}}
-            tail = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+            tail = sse(ResponseShape.error_event(err.message, err.type, err.code)) + DONE
+        await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
 
     @staticmethod
     async def _linger(receive: Receive) -> None:

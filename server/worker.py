@@ -31,8 +31,7 @@ JobKind = Literal["generation", "classification", "bench"]
 @dataclass(eq=False)
 class Job:
     kind: JobKind
-    arrived: float  # time.monotonic()
-    deadline: float | None
+    deadline: float | None  # time.monotonic() by which the caller gives up
     started: float | None = None  # when the engine thread took it up
     # Set by the caller when it leaves or its time runs out (its own timer, so that the answer
     # is a clean 504 rather than a race with an engine that noticed the deadline first).
@@ -153,7 +152,7 @@ class EngineWorker:
                 waiting = len(self._jobs) - 1
                 retry = min(60, max(1, math.ceil(self._mean_s * (waiting + 1 - self.max_queue))))
                 raise queue_full(self.label, waiting, retry)
-            job = Job(kind, now, now + self.timeout_s if self.timeout_s else None)
+            job = Job(kind, now + self.timeout_s if self.timeout_s else None)
             self._jobs.append(job)
         return job
 
