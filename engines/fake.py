@@ -45,6 +45,16 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+class FixedMeter(MemoryMeter):
+    """Reports a set peak, so tests can follow the figure from the engine to the response."""
+
+    def __init__(self, peak: int) -> None:
+        self.peak = peak
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+
 class FakeEngine(TokenLoopEngine):
     def __init__(
         self,
@@ -54,6 +64,8 @@ class FakeEngine(TokenLoopEngine):
         context_length: int = 512,
         token_delay_s: float = 0.0,
         trace: list | None = None,
+        peak_memory_bytes: int = 0,
+        kv_bytes_per_token: int = 0,
     ):
         self.name = name
         self.reply = reply
@@ -64,7 +76,9 @@ class FakeEngine(TokenLoopEngine):
         # (request number, token) in the order tokens were produced, to check for interleaving.
         self.trace = trace if trace is not None else []
         self.device = "cpu"
-        self._meter = MemoryMeter()
+        self._meter = FixedMeter(peak_memory_bytes)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._cached_tokens = 0
         self.info = EngineInfo(
             engine=name, device="cpu", dtype="none", context_length=context_length,
             backend_version="fake 0",
@@ -73,11 +87,16 @@ class FakeEngine(TokenLoopEngine):
     def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         self.calls.append(list(prompt_ids))
         request_no = len(self.calls) - 1
+        self._cached_tokens = len(prompt_ids)
         for token in [*self.tokenizer.encode(self.reply), EOS]:
             if self.token_delay_s:
                 time.sleep(self.token_delay_s)
             self.trace.append((request_no, token))
+            self._cached_tokens += 1
             yield token
+
+    def _kv_cache_bytes(self) -> int:
+        return self.kv_bytes_per_token * self._cached_tokens
 
     def score_continuations(self, prompts, continuations, should_stop=None) -> ContinuationScores:
         """Every token costs -1; a continuation gains 3 for each time its text (its bytes up

@@ -110,7 +110,7 @@ def warm_up(engine) -> float:
     (allocator growth, kernel selection, MLX graph compilation). Returns seconds taken."""
     start = time.perf_counter()
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    prompt = engine.tokenizer.encode("Hello, world") or [0]
+    prompt = (engine.tokenizer.encode("Hello, world") or [0])[: max(1, engine.context_length - 2)]
     for _ in engine.generate(prompt, params):
         pass
     return time.perf_counter() - start

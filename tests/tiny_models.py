@@ -58,12 +58,14 @@ def family_config(family: str):
         return LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=100000.0)
     if family == "mistral":
         return MistralConfig(**COMMON, sliding_window=None, head_dim=16, tie_word_embeddings=False)
+    if family == "mistral_window":  # a window shorter than the test prompts: the mask matters
+        return MistralConfig(**COMMON, sliding_window=4, head_dim=16, tie_word_embeddings=False)
     if family == "qwen2":
         return Qwen2Config(**COMMON, tie_word_embeddings=True, use_sliding_window=False)
     raise ValueError(family)
 
 
-FAMILIES = ("llama", "llama3", "smollm", "mistral", "qwen2")
+FAMILIES = ("llama", "llama3", "smollm", "mistral", "mistral_window", "qwen2")
 
 
 def make_tiny_model(out_dir: Path, family: str = "llama", seed: int = 0):

@@ -15,7 +15,9 @@ import numpy as np
 from ..base import EngineInfo, SamplingParams
 from ..dummy import is_dummy
 from ..generation import MemoryMeter, TokenLoopEngine, warm_up
+from ..model_config import attention_window
 from ..tokenizer import ChatTokenizer
+from .sampling import make_sampler
 
 log = logging.getLogger("duet.engines.mlx")
 
@@ -64,6 +66,16 @@ class MLXEngine(TokenLoopEngine):
         )
         self.model.set_dtype(_MX_DTYPES[self.dtype])
         mx.eval(self.model.parameters())
+        window = attention_window(config)
+        if window is not None and window < context_length:
+            # mlx-lm's Llama-family models attend over the whole cache; within the window
+            # that is the same attention, past it the answers would silently differ.
+            log.warning(
+                "mlx engine: %s attends over a sliding window of %d tokens, which mlx-lm does "
+                "not implement; serving a context of %d tokens instead of %d",
+                model_dir, window, window, context_length,
+            )
+            context_length = window
         self.context_length = context_length
         self.tokenizer = ChatTokenizer(model_dir)
         self._meter = MLXMeter()
@@ -83,16 +95,10 @@ class MLXEngine(TokenLoopEngine):
     def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.sample_utils import make_sampler
 
         if params.seed is not None:
             mx.random.seed(params.seed)
-        sampler = make_sampler(
-            temp=max(params.temperature, 0.0),
-            top_p=params.top_p if params.top_p < 1.0 else 0.0,
-            # mlx-lm rejects a k at or above the vocabulary, which keeps every token anyway.
-            top_k=params.top_k if params.top_k < self.tokenizer.vocab_size else 0,
-        )
+        sampler = make_sampler(params)
         self._cache = make_prompt_cache(self.model)
         budget = self.context_length - len(prompt_ids) + 1
         for token, _ in generate_step(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import UnsupportedModel
+from ..model_config import attention_window
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -50,10 +51,8 @@ class ModelArgs:
             scaling = None
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
-            window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-            window = cfg.get("sliding_window") if model_type == "mistral" else None
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -71,5 +70,5 @@ class ModelArgs:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=window,
+            sliding_window=attention_window(cfg),
         )

@@ -16,7 +16,7 @@ from ..generation import TokenLoopEngine, warm_up
 from ..tokenizer import ChatTokenizer
 from . import cpu_linear
 from .loader import load_model
-from .runner import CudaGraphRunner, EagerRunner, StaticRunner
+from .runner import CudaGraphRunner, CudaReadback, EagerRunner, StaticRunner, pipelined_ids
 from .sampling import make_sampler
 
 log = logging.getLogger("duet.engines.torch")
@@ -76,7 +76,8 @@ class TorchEngine(TokenLoopEngine):
             def step(token, pos):
                 return sample(self.runner.decode(token, pos))
         if self.device.startswith("cuda"):
-            yield from self._pipelined(token, len(prompt_ids), step)
+            yield from pipelined_ids(token, len(prompt_ids), self.context_length, step,
+                                     CudaReadback())
             return
         pos = len(prompt_ids)
         while True:
@@ -85,26 +86,6 @@ class TorchEngine(TokenLoopEngine):
                 return
             token = step(token, pos)
             pos += 1
-
-    def _pipelined(self, token: torch.Tensor, pos: int, step) -> Iterator[int]:
-        """CUDA: queue step n+1 before reading token n back, so the GPU never waits for the
-        host. Each id travels through a pinned buffer and an event, not a stream-wide sync."""
-        slots = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        events = [torch.cuda.Event(), torch.cuda.Event()]
-        slots[0].copy_(token.view(1), non_blocking=True)
-        events[0].record()
-        i = 0
-        while True:
-            nxt = None
-            if pos < self.context_length:
-                nxt = step(token, pos)
-                slots[1 - i].copy_(nxt.view(1), non_blocking=True)
-                events[1 - i].record()
-            events[i].synchronize()
-            yield int(slots[i].item())
-            if nxt is None:
-                return
-            token, pos, i = nxt, pos + 1, 1 - i
 
     @torch.inference_mode()
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

@@ -3,9 +3,10 @@ torch.compile fuses and (on CUDA) replays as CUDA graphs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -129,24 +130,51 @@ class StaticRunner(Runner):
         log.info("compiled decode and prefill in %.1fs", time.perf_counter() - started)
 
 
+class CudaGraphs:
+    """Captures a step as a CUDA graph and hands back its replay. The graphs share one memory
+    pool, since only one runs at a time. (Tests stand in a fake that re-runs the step, so the
+    runner's host bookkeeping is exercised on the CPU.)"""
+
+    def __init__(self) -> None:
+        self._pool = None
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Run step a few times (compile, let the allocator settle), then capture it once.
+        Returns the replay and the step's output tensor, which every replay overwrites."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = step()
+        self._pool = graph.pool()
+        return graph.replay, out
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
 class CudaGraphRunner(StaticRunner):
     """CUDA: the compiled decode step captured as CUDA graphs, one per attention bucket,
     replayed per token.
 
     Capturing by hand (instead of mode="reduce-overhead") keeps the per-token host work to a
     replay: no guard checks or input bookkeeping over every weight. Each graph reads the token
-    from a fixed buffer and advances the on-device position itself; the graphs share one
-    memory pool, since only one runs at a time."""
+    from a fixed buffer and advances the on-device position itself."""
 
     def __init__(
         self, model: Transformer, device: str, tune: bool = True, kernels: bool = True,
-        act_kernel: bool = True,
+        act_kernel: bool = True, graphs: CudaGraphs | None = None, backend: str = "inductor",
     ):
         super().__init__(model, device, compile=False)
         self.compiled = True
         from . import decode_attention
 
-        self.kernels = kernels and decode_attention.available()
+        # Triton's kernels need the GPU (the CPU stands in for it only in tests).
+        self.kernels = kernels and device.startswith("cuda") and decode_attention.available()
         model.use_kernels(attention=self.kernels, activation=self.kernels and act_kernel)
         if tune:
             # Coordinate-descent tuning of the generated kernels: for batch-1 matrix-vector
@@ -156,11 +184,12 @@ class CudaGraphRunner(StaticRunner):
             import torch._inductor.config as inductor_config
 
             inductor_config.coordinate_descent_tuning = True
-        self._prefill_fn = torch.compile(self._prefill_impl, dynamic=True, fullgraph=True)
-        self._step = torch.compile(self._decode_and_pick, dynamic=True, fullgraph=True)
+        compile = functools.partial(torch.compile, dynamic=True, fullgraph=True, backend=backend)
+        self._prefill_fn = compile(self._prefill_impl)
+        self._step = compile(self._decode_and_pick)
         self._token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.graphs = graphs or CudaGraphs()
 
     def _decode_and_pick(self, token, pos, kv_len: int):
         logits = self._decode_impl(token, pos, kv_len)
@@ -175,29 +204,23 @@ class CudaGraphRunner(StaticRunner):
         return logits
 
     @torch.inference_mode()
-    def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        saved = self._pos.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # compile and let the allocator settle outside the capture
-                self._step_and_advance(kv_len)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step_and_advance(kv_len)
-        self._pool = graph.pool()
-        self._pos.copy_(saved)
-        self._graphs[kv_len] = (graph, logits)
-        return graph, logits
+    def _capture(self, kv_len: int) -> tuple[Callable[[], None], torch.Tensor]:
+        # The warm-up steps before a capture advance the position and overwrite the token:
+        # both go back to where the conversation (if any) left them.
+        saved_pos, saved_token = self._pos.clone(), self._token.clone()
+        replay, logits = self.graphs.capture(lambda: self._step_and_advance(kv_len))
+        self._pos.copy_(saved_pos)
+        self._token.copy_(saved_token)
+        self._graphs[kv_len] = (replay, logits)
+        return replay, logits
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         kv_len = decode_bucket(pos + 1, self.model.max_len)
-        graph, logits = self._graphs.get(kv_len) or self._capture(kv_len)
+        replay, logits = self._graphs.get(kv_len) or self._capture(kv_len)
         if token.data_ptr() != self._token.data_ptr():  # not the graph's own greedy pick
             self._token.copy_(token.view(1, 1))
-        graph.replay()
+        replay()
         return logits
 
     def decode_greedy(self, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -212,9 +235,44 @@ class CudaGraphRunner(StaticRunner):
         for kv_len in decode_buckets(self.model.max_len):
             if kv_len not in self._graphs:
                 self._capture(kv_len)
-        torch.cuda.synchronize()
+        self.graphs.synchronize()
         log.info(
             "captured %d decode graphs (attention buckets %s, %s attention) in %.1fs",
             len(self._graphs), sorted(self._graphs),
             "Triton kernel" if self.kernels else "PyTorch-op", time.perf_counter() - started,
         )
+
+
+class CudaReadback:
+    """Pinned host buffers and events, for reading sampled ids back without a stream-wide
+    sync. (Tests stand in plain CPU tensors and no-op events.)"""
+
+    def buffer(self) -> torch.Tensor:
+        return torch.empty(1, dtype=torch.long, pin_memory=True)
+
+    def event(self):
+        return torch.cuda.Event()
+
+
+def pipelined_ids(
+    token: torch.Tensor, pos: int, limit: int,
+    step: Callable[[torch.Tensor, int], torch.Tensor], readback: CudaReadback,
+) -> Iterator[int]:
+    """Token ids as the host reads them back, step n+1 queued before token n is read, so the
+    GPU never waits for the host. `token` sits at position `pos`; steps run while pos < limit."""
+    slots = [readback.buffer() for _ in range(2)]
+    events = [readback.event(), readback.event()]
+    slots[0].copy_(token.view(1), non_blocking=True)
+    events[0].record()
+    i = 0
+    while True:
+        nxt = None
+        if pos < limit:
+            nxt = step(token, pos)
+            slots[1 - i].copy_(nxt.view(1), non_blocking=True)
+            events[1 - i].record()
+        events[i].synchronize()
+        yield int(slots[i].item())
+        if nxt is None:
+            return
+        token, pos, i = nxt, pos + 1, 1 - i

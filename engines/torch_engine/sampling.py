@@ -26,7 +26,8 @@ def argmax_in_chunks(logits: torch.Tensor) -> torch.Tensor:
 
 
 def make_sampler(params: SamplingParams, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Build the sampler once per request; it maps logits [V] to a token id tensor [1]."""
+    """Build the sampler once per request; it maps logits [..., V] to token ids [..., 1], each
+    row on its own: temperature first, then top_k, then top_p over what top_k kept."""
     if params.greedy:
         return lambda logits: torch.argmax(logits, dim=-1, keepdim=True)
 
@@ -39,14 +40,15 @@ def make_sampler(params: SamplingParams, device: str) -> Callable[[torch.Tensor]
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float() / temperature
-        if top_k > 0 and top_k < logits.shape[-1]:
-            kth = torch.topk(logits, top_k).values[-1]
+        if 0 < top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # Drop a token when the tokens ranked above it already reach top_p.
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) > top_p
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            # Keep a token while the tokens ranked above it hold less than top_p: the fewest
+            # tokens whose mass reaches top_p (the most likely one always stays).
+            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         # Exponential race (Gumbel-max in disguise): a sample without torch.multinomial's sync.

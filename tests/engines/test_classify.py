@@ -170,3 +170,38 @@ def test_prompts_are_scored_per_label_listing_only_when_that_prefills_less():
     assert classify._prefix_groups(prompts, 2) == [prompts[:3], prompts[3:]]
     short = [head + [20] + t for t in texts] + [head + [21] + t for t in texts]
     assert classify._prefix_groups(short, 2) == [short]
+
+
+@pytest.mark.parametrize("calibrate, scoring", [(True, "sum"), (True, "mean"), (False, "sum")])
+def test_zero_shot_maths_against_a_hand_computation(tiny_dirs, calibrate, scoring):
+    """Each label's score is its log-likelihood averaged over the two listings of the labels
+    (given order and reversed), less the same average for the empty text when calibrating;
+    the probabilities are a softmax of that. Recomputed here from single scoring calls."""
+    engine = TorchEngine(tiny_dirs["smollm"][0], context_length=256, dtype="float32", device="cpu")
+    labels, inputs = ("good", "bad", "so-so"), ("I love it", "awful!")
+    conts = classify.label_continuations(engine, "Judge it.", labels)
+
+    def scores(order, text):
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": classify.user_message("Judge it.", order, text)}])
+        rows = engine.score_continuations([prompt], conts).token_logprobs[0]
+        return np.array([sum(r) / (len(r) if scoring == "mean" else 1) for r in rows])
+
+    def label_scores(text):
+        if not calibrate:
+            return scores(labels, text)
+        return (scores(labels, text) + scores(labels[::-1], text)) / 2
+
+    prior = label_scores("") if calibrate else np.zeros(len(labels))
+    result = engine.classify(ClassifyParams(inputs=inputs, labels=labels, instruction="Judge it.",
+                                            calibrate=calibrate, label_scoring=scoring))
+    for text, got in zip(inputs, result.results):
+        raw = label_scores(text)
+        expected = np.exp(raw - prior - (raw - prior).max())
+        expected /= expected.sum()
+        np.testing.assert_allclose([s.logprob for s in got.scores], raw, atol=1e-4)
+        np.testing.assert_allclose([s.probability for s in got.scores], expected, atol=1e-5)
+        assert [s.label for s in got.scores] == list(labels)
+        assert got.label == labels[int(np.argmax(expected))]
+    # The listings differ enough on this model for the averaging to show.
+    assert np.abs(scores(labels, inputs[0]) - scores(labels[::-1], inputs[0])).max() > 0.01

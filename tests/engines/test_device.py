@@ -44,3 +44,33 @@ def test_memory_meter_per_device():
     block[::4096] = b"x" * len(block[::4096])
     meter.sample()
     assert meter.peak_bytes() >= 64 * 1024 * 1024
+
+
+def test_the_cpu_meter_catches_a_peak_between_the_ends_of_a_request():
+    """RSS has no resettable peak: a spike that is gone by the end of the request is only seen
+    because the decode loop samples the meter at every token."""
+    import numpy as np
+
+    from engines.base import RequestStats, SamplingParams
+    from engines.fake import EOS, ByteTokenizer
+    from engines.generation import stream_steps
+
+    spike = 256 * 2**20
+
+    def tokens():
+        yield 65
+        buffer = np.ones(spike // 8)  # touched, so resident; freed before the request ends
+        yield 66
+        del buffer
+        yield EOS
+
+    meter = RSSMeter()
+    meter.reset()
+    baseline = meter.peak_bytes()
+    events = list(stream_steps(
+        tokens(), tokenizer=ByteTokenizer(), params=SamplingParams(max_tokens=8),
+        prompt_tokens=1, engine="t", device="cpu", meter=meter, kv_cache_bytes=lambda: 0))
+    stats = events[-1]
+    assert isinstance(stats, RequestStats)
+    assert RSSMeter().peak_bytes() < baseline + spike // 2  # the buffer really went away
+    assert stats.peak_memory_bytes >= baseline + spike * 0.9

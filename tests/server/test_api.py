@@ -5,6 +5,7 @@ import json
 import pytest
 
 from engines.fake import EOS, ByteTokenizer, FakeEngine
+from tests.server.conftest import FakeFactory
 
 REPLY = FakeEngine().reply
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
@@ -20,10 +21,17 @@ def sse_events(text: str) -> list:
     return events
 
 
+def assert_error_shape(body: dict) -> dict:
+    """The OpenAI error object, in a JSON answer or an SSE error event: all four fields."""
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+    assert isinstance(err["type"], str) and err["type"]
+    return err
+
+
 def assert_openai_error(resp, status, param=None, code=None):
     assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    err = assert_error_shape(resp.json())
     if param is not None:
         assert err["param"] == param
     if code is not None:
@@ -57,9 +65,22 @@ def test_chat_completion_has_usage_and_metrics(client):
     }
     m = body["metrics"]
     assert m["engine"] == "torch" and m["device"] == "cpu"
-    for key in ("ttft_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes",
-                "kv_cache_bytes"):
-        assert isinstance(m[key], (int, float)) and m[key] >= 0
+    assert m["ttft_ms"] > 0 and m["prefill_tokens_per_s"] > 0 and m["decode_tokens_per_s"] > 0
+
+
+def test_metrics_carry_the_engines_own_figures(make_client):
+    """Each figure is the engine's, for this request: not a default, not another request's."""
+    factory = FakeFactory(token_delay_s=0.01, peak_memory_bytes=123_456_789, kv_bytes_per_token=64)
+    with make_client(factory) as client:
+        body = client.post("/v1/chat/completions", json=CHAT).json()
+    m, usage = body["metrics"], body["usage"]
+    assert m["peak_memory_bytes"] == 123_456_789
+    assert m["kv_cache_bytes"] == 64 * usage["total_tokens"]  # the fake caches every token
+    # A token every 10 ms: the decode rate is at most 100 tokens/s and not far below it.
+    assert 30 < m["decode_tokens_per_s"] <= 101
+    assert m["ttft_ms"] >= 9  # the first token took one delay too
+    assert m["prefill_tokens_per_s"] == pytest.approx(usage["prompt_tokens"] / (m["ttft_ms"] / 1000),
+                                                       rel=0.05)
 
 
 def test_chat_stream_follows_openai_framing(client):
@@ -185,8 +206,6 @@ def test_context_length_exceeded(client, stream):
 
 
 def test_missing_backend_names_the_extra(make_client):
-    from tests.server.conftest import FakeFactory
-
     with make_client(FakeFactory(available=("torch",))) as client:
         err = assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, "engine": "mlx"}),
                                   400, param="engine", code="engine_unavailable")

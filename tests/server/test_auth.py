@@ -24,8 +24,11 @@ def test_every_configured_key_is_accepted(keyed, key):
     assert keyed.get("/v1/models", headers=bearer(key)).status_code == 200
 
 
+# Prefixes, extensions and case changes of a real key are wrong keys too.
 @pytest.mark.parametrize("headers", [{}, bearer("wrong"), bearer(""), {"Authorization": "flag-key"},
-                                     {"Authorization": "Basic flag-key"}, bearer("flag-key2")])
+                                     {"Authorization": "Basic flag-key"}, bearer("flag-key2"),
+                                     bearer("f"), bearer("flag-ke"), bearer("FLAG-KEY"),
+                                     bearer("lag-key"), bearer("flag-keyflag-key")])
 @pytest.mark.parametrize("method, path", [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
                                           ("GET", "/metrics"), ("POST", "/bench"),
                                           ("GET", "/v1/no-such-path"), ("GET", "/openapi.json")])
@@ -35,6 +38,16 @@ def test_missing_or_wrong_key_is_401_in_the_openai_shape(keyed, headers, method,
     assert err["type"] == "invalid_request_error"
     assert resp.headers["www-authenticate"].startswith("Bearer")
     assert keyed.factory.engines["torch"].calls == []  # nothing reached an engine
+
+
+@pytest.mark.parametrize("token", ["s", "secret", "secret-ke", "ecret-key", "secret-key ",
+                                   "secret-key\x00", "secret-keys"])
+def test_only_the_whole_key_matches(token):
+    from server.auth import key_matches
+
+    keys = frozenset({b"secret-key", b"other"})
+    assert key_matches("secret-key", keys) and key_matches("other", keys)
+    assert not key_matches(token, keys)
 
 
 def test_health_stays_open(keyed):

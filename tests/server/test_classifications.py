@@ -2,6 +2,7 @@
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -140,8 +141,11 @@ def test_classification_queues_behind_generation_on_the_same_worker(make_client)
 
         t = threading.Thread(target=generate)
         t.start()
-        while not engine.trace:  # the generation has started producing tokens
-            pass
+        # The generation has started producing tokens (a bounded wait: a hang fails, not stalls).
+        started = time.monotonic()
+        while not engine.trace:
+            assert time.monotonic() - started < 10, "the generation never started"
+            time.sleep(0.005)
         resp = c.post("/v1/classifications", json=ZS)
         t.join()
         assert resp.status_code == 200 and done["chat"].status_code == 200

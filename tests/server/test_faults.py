@@ -17,7 +17,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import free_port
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import assert_openai_error, sse_events
+from tests.server.test_api import assert_error_shape, assert_openai_error, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,8 +75,8 @@ def test_an_engine_failure_mid_stream_then_the_next_request_works(make_client):
         events = sse_events(client.post("/v1/chat/completions", json=chat("tiny", stream=True,
                                                                             max_tokens=50)).text)
         assert events[-1] == "[DONE]"
-        assert "caught fire" in events[-2]["error"]["message"]
-        assert events[-2]["error"]["type"] == "server_error"
+        err = assert_error_shape(events[-2])
+        assert "caught fire" in err["message"] and err["type"] == "server_error"
         partial = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
         assert partial == FakeEngine().reply[:3]
         # Same engine, same thread: the next request is served in full.
@@ -155,7 +155,8 @@ def test_sigterm_lets_requests_finish_or_cancels_them_in_bounded_time(
         # 2000 tokens would take 100 s: ended after the grace period with an error event and
         # [DONE], and the engine stopped at once rather than running on.
         assert got["lines"][-1] == "data: [DONE]", got["lines"][-3:]
-        assert json.loads(got["lines"][-2][6:])["error"]["code"] == "server_shutting_down"
+        err = assert_error_shape(json.loads(got["lines"][-2][6:]))
+        assert err["code"] == "server_shutting_down"
         assert took < grace + 8, took
         assert tokens < (grace + 8) / 0.05, tokens
 
@@ -195,7 +196,8 @@ def test_shutdown_past_its_grace_ends_every_open_request_cleanly(tmp_path, model
     assert len(results) == 7, results
     streamed = results[0]
     assert streamed["status"] == 200 and streamed["lines"][-1] == "data: [DONE]", streamed
-    assert json.loads(streamed["lines"][-2][6:])["error"]["code"] == "server_shutting_down"
+    assert assert_error_shape(json.loads(streamed["lines"][-2][6:]))["code"] == (
+        "server_shutting_down")
     for i in range(1, 7):
         assert results[i]["status"] == 503, results[i]
         error = json.loads(results[i]["lines"][0])["error"]

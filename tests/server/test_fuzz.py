@@ -16,7 +16,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.server.conftest import FakeFactory
 
-CASES_PER_OPERATION_AND_MODE = 150
+CASES_PER_OPERATION_AND_MODE = 60
 MIN_TOTAL = 500
 
 

@@ -12,7 +12,7 @@ from server.protocol import MAX_MESSAGES
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import CHAT, assert_openai_error, sse_events
+from tests.server.test_api import CHAT, assert_error_shape, assert_openai_error, sse_events
 
 
 def test_a_body_over_the_limit_is_413(make_client):
@@ -152,7 +152,7 @@ def test_the_time_limit_ends_a_stream_with_an_error_event_then_done(make_client)
     with make_client(factory, request_timeout_s=0.5) as client:
         events = sse_events(client.post("/v1/chat/completions", json={**CHAT, "stream": True}).text)
     assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["code"] == "request_timeout"
+    assert assert_error_shape(events[-2])["code"] == "request_timeout"
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert 0 < len(text) < 40
 

@@ -10,6 +10,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
+from tests.server.test_api import assert_error_shape
 
 
 def test_concurrent_requests_run_in_order_without_mixing(models_file):
@@ -61,7 +62,8 @@ def test_engine_failure_mid_stream_is_an_error_event_then_done(make_client):
             "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}).text
         blocks = [b[6:] for b in text.split("\n\n") if b]
         assert blocks[-1] == "[DONE]"
-        assert "caught fire" in json.loads(blocks[-2])["error"]["message"]
+        err = assert_error_shape(json.loads(blocks[-2]))  # param included, as OpenAI sends it
+        assert "caught fire" in err["message"] and err["type"] == "server_error"
         # The engine thread is free again: a plain request gets a clean error, not a hang.
         resp = client.post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "x"}]})

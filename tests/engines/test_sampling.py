@@ -1,0 +1,150 @@
+"""Sampling checked by distribution: each engine's sampler, fed the same logits many times,
+picks tokens with the probabilities plain numpy gives those logits under duet's rule
+(temperature, then top_k, then top_p over what top_k kept); greedy is the argmax; a seed
+fixes the draws.
+
+The draws are seeded, so each check is deterministic; the tolerance is 5 standard errors per
+token, and a token the rule removes must never be drawn at all."""
+
+import numpy as np
+import pytest
+
+from engines.base import SamplingParams
+
+V = 24
+N = 20_000
+LOGITS = np.random.default_rng(7).normal(0.0, 1.6, V).astype(np.float32)
+
+CASES = [  # (temperature, top_k, top_p)
+    (1.0, 0, 1.0),
+    (0.5, 0, 1.0),
+    (1.7, 0, 1.0),
+    (1.0, 1, 1.0),
+    (1.0, 5, 1.0),
+    (1.0, V - 1, 1.0),
+    (1.0, V, 1.0),  # a k at the vocabulary keeps every token
+    (1.0, 0, 0.3),
+    (1.0, 0, 0.62),
+    (1.0, 0, 0.93),
+    (0.7, 8, 0.8),
+    (1.3, 3, 0.5),
+    (2.0, 12, 0.45),
+]
+
+
+def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    if 0 < top_k < z.size:
+        z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        above = np.cumsum(p[order]) - p[order]
+        # The rule must not hinge on rounding: no token sits on the top_p border.
+        assert np.all(np.abs(above - top_p) > 1e-3), "pick another top_p for this test"
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[above < top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def check_distribution(draws: np.ndarray, expected: np.ndarray) -> None:
+    assert draws.shape == (N,) and draws.min() >= 0 and draws.max() < V
+    freq = np.bincount(draws, minlength=V) / N
+    removed = expected == 0
+    assert not freq[removed].any(), f"drew removed tokens {np.flatnonzero(freq * removed)}"
+    tolerance = 5 * np.sqrt(expected * (1 - expected) / N) + 1e-3
+    worst = np.argmax(np.abs(freq - expected) - tolerance)
+    assert np.all(np.abs(freq - expected) <= tolerance), (
+        f"token {worst}: drawn {freq[worst]:.4f}, expected {expected[worst]:.4f}")
+
+
+def torch_draws(params: SamplingParams) -> np.ndarray:
+    import torch
+
+    from engines.torch_engine.sampling import make_sampler
+
+    sample = make_sampler(params, "cpu")
+    rows = torch.from_numpy(LOGITS).expand(N, V)
+    return sample(rows).view(-1).numpy()
+
+
+def mlx_draws(params: SamplingParams) -> np.ndarray:
+    mx = pytest.importorskip("mlx.core")
+    from engines.mlx_engine.sampling import make_sampler
+
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    sample = make_sampler(params)
+    # The MLX engine's sampler is fed log-probabilities, as mlx-lm's generate_step hands them.
+    logits = mx.array(np.broadcast_to(LOGITS, (N, V)))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(sample(logprobs)).reshape(-1).astype(np.int64)
+
+
+DRAWS = {"torch": torch_draws, "mlx": mlx_draws}
+
+
+@pytest.mark.parametrize("engine", DRAWS)
+@pytest.mark.parametrize("temperature, top_k, top_p", CASES)
+def test_draws_follow_the_reference_distribution(engine, temperature, top_k, top_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234)
+    check_distribution(DRAWS[engine](params), reference(LOGITS, temperature, top_k, top_p))
+
+
+def test_the_reference_is_not_trivial():
+    """The cases tell the rule's variants apart: filtering before the temperature, or top_p
+    before top_k, or keeping the wrong side of the cumulative sum, each gives another
+    distribution than the reference for some case."""
+    def far(a, b):
+        return np.abs(a - b).max() > 0.05
+
+    def top_p_first(t, k, p):
+        kept = reference(LOGITS, 1.0, 0, p) > 0
+        masked = np.where(kept, LOGITS, -np.inf)
+        return reference(masked, t, k, 1.0)
+
+    def temperature_last(t, k, p):
+        kept = reference(LOGITS, 1.0, k, p) > 0
+        return reference(np.where(kept, LOGITS, -np.inf), t, 0, 1.0)
+
+    def wrong_side(t, k, p):
+        kept = reference(LOGITS, t, k, 1.0)
+        order = np.argsort(-kept)
+        tail = np.cumsum(kept[order]) - kept[order] >= p
+        q = np.zeros_like(kept)
+        q[order[tail]] = kept[order[tail]]
+        return q / q.sum() if q.sum() else kept
+
+    for variant in (top_p_first, temperature_last, wrong_side):
+        assert any(far(variant(*c), reference(LOGITS, *c)) for c in CASES), variant.__name__
+
+
+@pytest.mark.parametrize("engine", DRAWS)
+def test_greedy_is_the_argmax(engine):
+    params = SamplingParams(temperature=0.0)
+    if engine == "torch":
+        import torch
+
+        from engines.torch_engine.sampling import make_sampler
+
+        rows = torch.randn(50, 1000, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(make_sampler(params, "cpu")(rows).view(-1), rows.argmax(-1))
+    else:
+        mx = pytest.importorskip("mlx.core")
+        from engines.mlx_engine.sampling import make_sampler
+
+        rows = np.random.default_rng(0).normal(size=(50, 1000)).astype(np.float32)
+        assert np.array_equal(np.array(make_sampler(params)(mx.array(rows))), rows.argmax(-1))
+
+
+@pytest.mark.parametrize("engine", DRAWS)
+def test_a_seed_fixes_the_draws_and_another_seed_changes_them(engine):
+    def draws(seed):
+        return DRAWS[engine](SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
+
+    first = draws(5)
+    assert np.array_equal(first, draws(5))
+    assert not np.array_equal(first, draws(6))

@@ -1,0 +1,148 @@
+"""EngineWorker's bookkeeping on its own: every admitted job gives its queue slot back once the
+engine thread is done with it, whatever way it ended, so a small queue never fills for good."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from engines.base import Cancelled, Step
+from server.errors import APIError
+from server.worker import EngineWorker
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def settled(worker: EngineWorker, limit_s: float = 5.0) -> int:
+    """Pending jobs once the engine thread has drained (it may still be letting one go)."""
+    await worker.run(lambda: None)  # queued behind every job already on the thread
+    for _ in range(int(limit_s / 0.01)):
+        if worker.pending == 0:
+            break
+        await asyncio.sleep(0.01)
+    return worker.pending
+
+
+def fresh(max_queue=0, timeout_s=None) -> EngineWorker:
+    worker = EngineWorker("test", max_queue=max_queue, timeout_s=timeout_s)
+    worker.engine = SimpleNamespace(close=lambda: None)
+    return worker
+
+
+async def test_every_way_a_call_ends_gives_its_slot_back():
+    # max_queue=0: one job at a time, so any slot kept would refuse the next call.
+    worker = fresh()
+    for kind in ("classification", "generation", "bench"):
+        assert await worker.call(kind, lambda engine, stop: 42) == 42
+        assert await settled(worker) == 0
+
+    def fail(engine, stop):
+        raise ValueError("engine error")
+
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            await worker.call("classification", fail)
+        assert await settled(worker) == 0
+
+    def cancelled(engine, stop):
+        raise Cancelled()
+
+    with pytest.raises(Cancelled):
+        await worker.call("classification", cancelled)
+    assert await settled(worker) == 0
+    assert await worker.call("classification", lambda engine, stop: "still serving") == (
+        "still serving")
+    worker.close()
+
+
+async def test_a_caller_that_leaves_stops_the_job_and_its_slot_comes_back():
+    worker = fresh()
+    started, saw_stop = threading.Event(), threading.Event()
+
+    def long(engine, should_stop):
+        started.set()
+        while not should_stop():
+            threading.Event().wait(0.005)
+        saw_stop.set()
+        raise Cancelled()
+
+    task = asyncio.create_task(worker.call("classification", long))
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    # The slot is held while the thread runs it: a second job is refused (429).
+    with pytest.raises(APIError) as refused:
+        await worker.call("classification", lambda e, s: None)
+    assert refused.value.status == 429
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await settled(worker) == 0 and saw_stop.is_set()
+    assert await worker.call("classification", lambda e, s: 1) == 1
+    worker.close()
+
+
+async def test_a_timed_out_call_is_a_504_and_its_slot_comes_back():
+    worker = fresh(timeout_s=0.2)
+
+    def long(engine, should_stop):
+        while not should_stop():
+            threading.Event().wait(0.005)
+        raise Cancelled()
+
+    with pytest.raises(APIError) as timed_out:
+        await worker.call("classification", long)
+    assert timed_out.value.status == 504
+    assert await settled(worker) == 0
+    worker.close()
+
+
+async def test_streams_give_their_slot_back_finished_failed_or_abandoned():
+    worker = fresh()
+
+    def steps(n, fail=False):
+        def start(engine, should_stop):
+            for i in range(n):
+                if should_stop():
+                    return
+                yield Step(i, str(i))
+            if fail:
+                raise RuntimeError("mid-stream failure")
+        return start
+
+    assert [e.text async for e in worker.stream(steps(3))] == ["0", "1", "2"]
+    assert await settled(worker) == 0
+    with pytest.raises(RuntimeError):
+        async for _ in worker.stream(steps(2, fail=True)):
+            pass
+    assert await settled(worker) == 0
+    gen = worker.stream(steps(10_000))
+    assert (await gen.__anext__()).text == "0"
+    await gen.aclose()  # the client went away after one token
+    assert await settled(worker) == 0
+    assert [e.text async for e in worker.stream(steps(1))] == ["0"]
+    worker.close()
+
+
+async def test_a_job_stopped_while_queued_never_runs_and_is_released():
+    worker = fresh(max_queue=4)
+    gate = threading.Event()
+    ran = []
+    first = asyncio.create_task(worker.call("generation", lambda e, s: gate.wait(5)))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(worker.call("classification", lambda e, s: ran.append(1)))
+    await asyncio.sleep(0.05)
+    assert worker.status().waiting == 1
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second  # its caller is gone before the thread is free to take it up
+    assert worker.pending == 2  # still counted: the thread has not let it go yet
+    gate.set()
+    assert await first is True
+    assert await settled(worker) == 0 and ran == []
+    worker.close()
