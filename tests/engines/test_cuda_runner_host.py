@@ -3,6 +3,8 @@
 the pipelined readback with plain tensors for pinned buffers. Positions, attention buckets,
 capture bookkeeping and the read-back order must give transformers' tokens."""
 
+import os
+
 import pytest
 import torch
 
@@ -64,7 +66,10 @@ def graph_runner(path):
     model = load_model(path, torch.float32, "cpu")
     model.setup_cache(CONTEXT)
     graphs = ReplayedGraphs()
-    runner = runners.CudaGraphRunner(model, "cpu", tune=False, graphs=graphs, backend="eager")
+    # The step is traced whole by the compiler (backend "eager": no code generation), as on
+    # CUDA, except under mutation testing, whose wrapped functions break the graph.
+    backend = None if "MUTANT_UNDER_TEST" in os.environ else "eager"
+    runner = runners.CudaGraphRunner(model, "cpu", tune=False, graphs=graphs, backend=backend)
     runner.warm_up(max_prompt=32)
     return runner, graphs
 

@@ -68,7 +68,10 @@ def torch_draws(params: SamplingParams) -> np.ndarray:
 
     sample = make_sampler(params, "cpu")
     rows = torch.from_numpy(LOGITS).expand(N, V)
-    return sample(rows).view(-1).numpy()
+    picked = sample(rows)
+    assert picked.shape == (N, 1) and picked.dtype == torch.long  # one id per row
+    assert sample(rows[0]).shape == (1,)  # the engine's one row: logits [V] -> id [1]
+    return picked.view(-1).numpy()
 
 
 def mlx_draws(params: SamplingParams) -> np.ndarray:
@@ -131,7 +134,9 @@ def test_greedy_is_the_argmax(engine):
         from engines.torch_engine.sampling import make_sampler
 
         rows = torch.randn(50, 1000, generator=torch.Generator().manual_seed(0))
-        assert torch.equal(make_sampler(params, "cpu")(rows).view(-1), rows.argmax(-1))
+        greedy = make_sampler(params, "cpu")
+        assert torch.equal(greedy(rows), rows.argmax(-1, keepdim=True))
+        assert greedy(rows[7]).shape == (1,) and greedy(rows[7]).item() == rows[7].argmax()
     else:
         mx = pytest.importorskip("mlx.core")
         from engines.mlx_engine.sampling import make_sampler

@@ -35,6 +35,12 @@ def test_every_configured_key_is_accepted(keyed, key):
 def test_missing_or_wrong_key_is_401_in_the_openai_shape(keyed, headers, method, path):
     resp = keyed.request(method, path, json=CHAT, headers=headers)
     err = assert_openai_error(resp, 401, code="invalid_api_key")
+    # A missing key says how to send one; a wrong one says so.
+    sent = headers.get("Authorization", "")
+    if sent.startswith("Bearer ") and sent[7:].strip():
+        assert err["message"] == "the API key is not valid"
+    else:
+        assert "needs an API key" in err["message"] and "Authorization: Bearer" in err["message"]
     assert err["type"] == "invalid_request_error"
     assert resp.headers["www-authenticate"].startswith("Bearer")
     assert keyed.factory.engines["torch"].calls == []  # nothing reached an engine
@@ -48,6 +54,18 @@ def test_only_the_whole_key_matches(token):
     keys = frozenset({b"secret-key", b"other"})
     assert key_matches("secret-key", keys) and key_matches("other", keys)
     assert not key_matches(token, keys)
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("localhost", True), ("127.0.0.1", True), ("127.8.0.1", True), ("::1", True),
+    ("[::1]", True), ("0.0.0.0", False), ("::", False), ("192.168.1.20", False),
+    ("example.com", False), ("my-mac.local", False), ("", False)])
+def test_only_loopback_addresses_count_as_private(host, loopback):
+    from server.auth import exposure_warning, is_loopback
+
+    assert is_loopback(host) is loopback
+    assert (exposure_warning(host, has_keys=False) is None) is loopback
+    assert exposure_warning(host, has_keys=True) is None
 
 
 def test_health_stays_open(keyed):

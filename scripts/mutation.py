@@ -1,0 +1,104 @@
+"""Mutation testing: mutmut changes the modules listed under [tool.mutmut] in pyproject.toml
+one small edit at a time (an operator, a constant, a dropped argument) and runs the tests that
+cover the changed function; a mutant the tests do not notice "survives".
+
+    .venv/bin/python scripts/mutation.py           # run mutmut, then report (about an hour here)
+    .venv/bin/python scripts/mutation.py --report  # report on the last run only
+
+Prints the surviving-mutant rate per module, writes docs/mutation.json (every survivor with its
+diff, to be read and either killed by a test or explained in docs/testing.md), and exits
+non-zero when the overall rate rose above the one recorded in docs/testing.md's baseline
+(`--baseline`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+OUT = ROOT / "docs" / "mutation.json"
+
+
+def mutmut(*args: str, check: bool = True) -> str:
+    done = subprocess.run([str(BIN / "mutmut"), *args], cwd=ROOT, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise SystemExit(f"mutmut {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def module_of(mutant: str) -> str:
+    """engines.torch_engine.sampling.x_make_sampler__mutmut_7 -> engines/torch_engine/sampling.py"""
+    dotted = re.split(r"\.x[_ǁ]", mutant, maxsplit=1)[0]
+    return dotted.replace(".", "/") + ".py"
+
+
+def diff_of(mutant: str) -> list[str]:
+    lines = mutmut("show", mutant, check=False).splitlines()
+    return [line for line in lines if line[:2] in ("- ", "+ ")]
+
+
+def report(baseline: float | None) -> int:
+    statuses = {}
+    for line in mutmut("results", "--all", "true").splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if name:
+            statuses[name] = status
+    if not statuses:
+        raise SystemExit("no mutation results: run without --report first")
+    per_module: dict[str, Counter] = defaultdict(Counter)
+    for name, status in statuses.items():
+        per_module[module_of(name)][status] += 1
+    print(f"{'module':40} {'mutants':>8} {'killed':>7} {'survived':>9} {'other':>6} {'rate':>7}")
+    rows = {}
+    for module in sorted(per_module):
+        c = per_module[module]
+        total, survived = sum(c.values()), c["survived"]
+        other = total - c["killed"] - survived
+        rows[module] = {"mutants": total, "killed": c["killed"], "survived": survived,
+                        "other": dict((k, v) for k, v in c.items()
+                                      if k not in ("killed", "survived")),
+                        "surviving_rate": round(survived / total, 4)}
+        print(f"{module:40} {total:8} {c['killed']:7} {survived:9} {other:6} "
+              f"{survived / total:7.1%}")
+    total = sum(r["mutants"] for r in rows.values())
+    survived = sum(r["survived"] for r in rows.values())
+    rate = survived / total
+    print(f"{'all':40} {total:8} {total - survived:7} {survived:9} {'':6} {rate:7.1%}")
+    survivors = [{"mutant": name, "module": module_of(name), "diff": diff_of(name)}
+                 for name, status in sorted(statuses.items()) if status == "survived"]
+    OUT.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "tool": f"mutmut {mutmut('--version').split()[-1]}",
+        "mutants": total, "survived": survived, "surviving_rate": round(rate, 4),
+        "modules": rows, "survivors": survivors,
+    }, indent=2, ensure_ascii=False) + "\n")
+    print(f"\nwrote {OUT.relative_to(ROOT)} ({len(survivors)} survivors with their diffs)")
+    if baseline is not None and rate > baseline:
+        print(f"the surviving-mutant rate rose: {rate:.1%} > the baseline {baseline:.1%}")
+        return 1
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", action="store_true", help="only report on the last run")
+    parser.add_argument("--baseline", type=float, default=None,
+                        help="fail when the overall surviving rate exceeds this fraction")
+    args = parser.parse_args()
+    if not args.report:
+        shutil.rmtree(ROOT / "mutants", ignore_errors=True)  # a whole fresh run, no stale cache
+        started = time.perf_counter()
+        subprocess.run([str(BIN / "mutmut"), "run"], cwd=ROOT, check=False)
+        print(f"mutmut ran for {(time.perf_counter() - started) / 60:.1f} min")
+    return report(args.baseline)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
