@@ -56,24 +56,29 @@ def report(baseline: float | None) -> int:
     per_module: dict[str, Counter] = defaultdict(Counter)
     for name, status in statuses.items():
         per_module[module_of(name)][status] += 1
-    print(f"{'module':40} {'mutants':>8} {'killed':>7} {'survived':>9} {'other':>6} {'rate':>7}")
+    # A mutant no test runs ("no tests": code reached only in a subprocess, or not at all)
+    # survives as surely as one the tests run and miss: both count as surviving.
+    print(f"{'module':40} {'mutants':>8} {'killed':>7} {'survived':>9} {'no tests':>9} "
+          f"{'other':>6} {'surviving':>10}")
     rows = {}
     for module in sorted(per_module):
         c = per_module[module]
-        total, survived = sum(c.values()), c["survived"]
-        other = total - c["killed"] - survived
-        rows[module] = {"mutants": total, "killed": c["killed"], "survived": survived,
-                        "other": dict((k, v) for k, v in c.items()
-                                      if k not in ("killed", "survived")),
-                        "surviving_rate": round(survived / total, 4)}
-        print(f"{module:40} {total:8} {c['killed']:7} {survived:9} {other:6} "
-              f"{survived / total:7.1%}")
+        total, lived = sum(c.values()), c["survived"] + c["no tests"]
+        other = total - c["killed"] - lived
+        rows[module] = {"mutants": total, "killed": c["killed"], "survived": c["survived"],
+                        "no_tests": c["no tests"], "other": other,
+                        "surviving_rate": round(lived / total, 4)}
+        print(f"{module:40} {total:8} {c['killed']:7} {c['survived']:9} {c['no tests']:9} "
+              f"{other:6} {lived / total:10.1%}")
     total = sum(r["mutants"] for r in rows.values())
-    survived = sum(r["survived"] for r in rows.values())
+    survived = sum(r["survived"] + r["no_tests"] for r in rows.values())
     rate = survived / total
-    print(f"{'all':40} {total:8} {total - survived:7} {survived:9} {'':6} {rate:7.1%}")
-    survivors = [{"mutant": name, "module": module_of(name), "diff": diff_of(name)}
-                 for name, status in sorted(statuses.items()) if status == "survived"]
+    print(f"{'all':40} {total:8} {sum(r['killed'] for r in rows.values()):7} "
+          f"{sum(r['survived'] for r in rows.values()):9} "
+          f"{sum(r['no_tests'] for r in rows.values()):9} {'':6} {rate:10.1%}")
+    survivors = [{"mutant": name, "module": module_of(name), "status": status,
+                  "diff": diff_of(name)}
+                 for name, status in sorted(statuses.items()) if status in ("survived", "no tests")]
     OUT.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "tool": f"mutmut {mutmut('--version').split()[-1]}",
         "mutants": total, "survived": survived, "surviving_rate": round(rate, 4),

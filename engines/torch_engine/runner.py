@@ -1,5 +1,8 @@
 """How the model is stepped: eagerly over the filled cache prefix, or with static shapes that
-torch.compile fuses and (on CUDA) replays as CUDA graphs."""
+torch.compile fuses and (on CUDA) replays as CUDA graphs.
+
+Methods enter inference mode in their bodies rather than through a decorator: mutmut leaves
+decorated functions unmutated, and these are the ones mutation testing must reach."""
 
 from __future__ import annotations
 
@@ -57,14 +60,14 @@ class EagerRunner(Runner):
     def __init__(self, model: Transformer, device: str):
         self.model, self.device = model, device
 
-    @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        return self.model(tokens, 0, last_only=True)[0, -1]
+        with torch.inference_mode():
+            tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+            return self.model(tokens, 0, last_only=True)[0, -1]
 
-    @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        return self.model(token.view(1, 1), pos)[0, -1]
+        with torch.inference_mode():
+            return self.model(token.view(1, 1), pos)[0, -1]
 
     def warm_up(self) -> None:
         pass
@@ -95,27 +98,27 @@ class StaticRunner(Runner):
         # Prefill starts at slot 0, so nothing past the padded prompt is ever attended to.
         return self.model(tokens, positions, logits_at=last, kv_len=tokens.shape[1])[0, -1]
 
-    @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        n = len(prompt_ids)
-        bucket = prefill_bucket(n, self.model.max_len)
-        padded = list(prompt_ids) + [0] * (bucket - n)
-        # Padding writes junk K/V past the prompt; decode overwrites each slot before any
-        # query may attend to it, and the mask hides the rest.
-        tokens = torch.tensor([padded], dtype=torch.long, device=self.device)
-        positions = torch.arange(bucket, device=self.device)
-        last = torch.tensor([n - 1], device=self.device)
-        logits = self._prefill_fn(tokens, positions, last)
-        self._pos.fill_(n)
-        return logits
+        with torch.inference_mode():
+            n = len(prompt_ids)
+            bucket = prefill_bucket(n, self.model.max_len)
+            padded = list(prompt_ids) + [0] * (bucket - n)
+            # Padding writes junk K/V past the prompt; decode overwrites each slot before any
+            # query may attend to it, and the mask hides the rest.
+            tokens = torch.tensor([padded], dtype=torch.long, device=self.device)
+            positions = torch.arange(bucket, device=self.device)
+            last = torch.tensor([n - 1], device=self.device)
+            logits = self._prefill_fn(tokens, positions, last)
+            self._pos.fill_(n)
+            return logits
 
-    @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        # The position lives on the device; the host's copy only picks the attention bucket.
-        kv_len = decode_bucket(pos + 1, self.model.max_len)
-        logits = self._decode_fn(token.view(1, 1), self._pos, kv_len)
-        self._pos.add_(1)
-        return logits
+        with torch.inference_mode():
+            # The position lives on the device; the host's copy only picks the attention bucket.
+            kv_len = decode_bucket(pos + 1, self.model.max_len)
+            logits = self._decode_fn(token.view(1, 1), self._pos, kv_len)
+            self._pos.add_(1)
+            return logits
 
     def warm_up(self, max_prompt: int = 1024) -> None:
         """Compile (and capture) now, so the first request pays nothing; log how long."""
@@ -205,25 +208,25 @@ class CudaGraphRunner(StaticRunner):
         self._token.copy_(greedy.view(1, 1))
         return logits
 
-    @torch.inference_mode()
     def _capture(self, kv_len: int) -> tuple[Callable[[], None], torch.Tensor]:
-        # The warm-up steps before a capture advance the position and overwrite the token:
-        # both go back to where the conversation (if any) left them.
-        saved_pos, saved_token = self._pos.clone(), self._token.clone()
-        replay, logits = self.graphs.capture(lambda: self._step_and_advance(kv_len))
-        self._pos.copy_(saved_pos)
-        self._token.copy_(saved_token)
-        self._graphs[kv_len] = (replay, logits)
-        return replay, logits
+        with torch.inference_mode():
+            # The warm-up steps before a capture advance the position and overwrite the token:
+            # both go back to where the conversation (if any) left them.
+            saved_pos, saved_token = self._pos.clone(), self._token.clone()
+            replay, logits = self.graphs.capture(lambda: self._step_and_advance(kv_len))
+            self._pos.copy_(saved_pos)
+            self._token.copy_(saved_token)
+            self._graphs[kv_len] = (replay, logits)
+            return replay, logits
 
-    @torch.inference_mode()
     def decode(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        kv_len = decode_bucket(pos + 1, self.model.max_len)
-        replay, logits = self._graphs.get(kv_len) or self._capture(kv_len)
-        if token.data_ptr() != self._token.data_ptr():  # not the graph's own greedy pick
-            self._token.copy_(token.view(1, 1))
-        replay()
-        return logits
+        with torch.inference_mode():
+            kv_len = decode_bucket(pos + 1, self.model.max_len)
+            replay, logits = self._graphs.get(kv_len) or self._capture(kv_len)
+            if token.data_ptr() != self._token.data_ptr():  # not the graph's own greedy pick
+                self._token.copy_(token.view(1, 1))
+            replay()
+            return logits
 
     def decode_greedy(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.decode(token, pos)
