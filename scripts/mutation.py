@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -99,8 +100,16 @@ def main() -> int:
     args = parser.parse_args()
     if not args.report:
         shutil.rmtree(ROOT / "mutants", ignore_errors=True)  # a whole fresh run, no stale cache
+        # mutmut starts a pytest session per mutant: the tiny test models are built once, here,
+        # and loaded by each session (tests/conftest.py's tiny_dirs) instead of rebuilt.
+        tiny = ROOT / "mutants-tiny-models"
+        shutil.rmtree(tiny, ignore_errors=True)
+        env = {**os.environ, "DUET_TINY_MODELS": str(tiny)}
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/engines/test_torch_parity.py"], cwd=ROOT, env=env, check=True,
+                       capture_output=True)
         started = time.perf_counter()
-        subprocess.run([str(BIN / "mutmut"), "run"], cwd=ROOT, check=False)
+        subprocess.run([str(BIN / "mutmut"), "run"], cwd=ROOT, env=env, check=False)
         print(f"mutmut ran for {(time.perf_counter() - started) / 60:.1f} min")
     return report(args.baseline)
 

@@ -1,6 +1,16 @@
 import os
+from pathlib import Path
 
 import pytest
+
+
+if os.environ.get("DUET_TINY_MODELS"):
+    # Under mutation testing this module is imported once, by the process every per-mutant
+    # pytest session is forked from: importing the reference models' code here (3 s) spares
+    # each mutant that cost.
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.mistral.modeling_mistral  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
 
 def pytest_configure(config):
@@ -17,10 +27,20 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """One saved tiny checkpoint per supported family, with its transformers reference."""
-    from tests.tiny_models import FAMILIES, make_tiny_model
+    from tests.tiny_models import FAMILIES, load_tiny_model, make_tiny_model
 
+    # Mutation testing starts a pytest session per mutant: it builds the models once into
+    # DUET_TINY_MODELS (scripts/mutation.py), and each session loads them from there.
+    kept = os.environ.get("DUET_TINY_MODELS")
     out = {}
     for family in FAMILIES:
-        path = tmp_path_factory.mktemp(f"tiny-{family}")
+        if kept and (Path(kept) / family / "reference.pt").exists():
+            out[family] = (Path(kept) / family, load_tiny_model(Path(kept) / family))
+            continue
+        path = Path(kept) / family if kept else tmp_path_factory.mktemp(f"tiny-{family}")
         out[family] = (path, make_tiny_model(path, family))
+        if kept:
+            import torch
+
+            torch.save(out[family][1], path / "reference.pt")
     return out
