@@ -23,6 +23,14 @@ def reference_logprobs(model, prompt, continuation):
     return [lp[len(prompt) - 1 + k, t].item() for k, t in enumerate(continuation)]
 
 
+def test_label_probabilities_survive_large_scores():
+    """The softmax over label scores shifts by the best score: sums of many log-probabilities
+    (or their differences with the prior) may be far outside exp()'s range."""
+    probs = classify._softmax([-2000.0, -2001.0, -2003.0])
+    assert probs == pytest.approx([0.7054, 0.2595, 0.0351], abs=1e-4)
+    assert classify._softmax([800.0, 800.0]) == [0.5, 0.5]
+
+
 def test_shared_prefix_leaves_every_prompt_a_token():
     assert shared_prefix_len([[1, 2, 3], [1, 2, 4]]) == 2
     assert shared_prefix_len([[1, 2], [1, 2, 3]]) == 1

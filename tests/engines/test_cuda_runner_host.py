@@ -41,18 +41,26 @@ class ReplayedGraphs:
         pass
 
 
+class Event:
+    """A CUDA event's contract, checked: the host waits only on an event recorded since its
+    last wait, that is, after the copy into the buffer it guards was queued."""
+
+    def __init__(self):
+        self.recorded = False
+
+    def record(self):
+        self.recorded = True
+
+    def synchronize(self):
+        assert self.recorded, "waited on an event that guards no new copy"
+        self.recorded = False
+
+
 class HostReadback:
     def buffer(self):
         return torch.empty(1, dtype=torch.long)
 
     def event(self):
-        class Event:
-            def record(self):
-                pass
-
-            def synchronize(self):
-                pass
-
         return Event()
 
 
@@ -89,6 +97,7 @@ def test_captured_greedy_decode_to_the_end_of_the_context(tiny_dirs, small_bucke
     path, reference = tiny_dirs["llama"]
     runner, graphs = graph_runner(path)
     assert sorted(runner._graphs) == [16, 32, 64] and graphs.captures == 3
+    assert runner.compiled is True and runner.kernels is False  # no Triton kernels off CUDA
     assert runner._pos.item() != 0  # warm-up left it somewhere: the prefill must reset it
     replays_before = graphs.replays
     with torch.no_grad():
@@ -144,6 +153,18 @@ def test_sampled_decode_through_graphs_equals_the_eager_runner(tiny_dirs, small_
                 token, len(PROMPT), 45, lambda t, p: sample(r.decode(t, p)), HostReadback()))
 
     assert run(runner) == run(eager)
+
+
+def test_greedy_steps_hand_back_one_id(tiny_dirs, small_buckets):
+    path, _ = tiny_dirs["llama"]
+    runner, _ = graph_runner(path)
+    eager_model = load_model(path, torch.float32, "cpu")
+    eager_model.setup_cache(CONTEXT)
+    for r in (runner, runners.EagerRunner(eager_model, "cpu")):
+        with torch.no_grad():
+            first = r.prefill(PROMPT).argmax().view(1)
+            nxt = r.decode_greedy(first, len(PROMPT))
+        assert nxt.shape == (1,) and nxt.dtype == torch.long, type(r).__name__
 
 
 def test_pipelined_readback_reads_each_token_once_in_order():

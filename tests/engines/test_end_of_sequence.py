@@ -41,7 +41,7 @@ def with_eos(tmp_path, tiny_dirs, *, config=None, generation_config=None):
 
 
 def test_every_listed_end_of_sequence_id_is_read(tmp_path, tiny_dirs):
-    path = with_eos(tmp_path, tiny_dirs, config=[2, 40], generation_config=[2, 41, 42])
+    path = with_eos(tmp_path, tiny_dirs, config=[40], generation_config=[41, 42])
     # The tokenizer's own end token (<|im_end|> = 2) and every id both files list.
     assert ChatTokenizer(path).eos_token_ids == {2, 40, 41, 42}
     path = with_eos(tmp_path / "single", tiny_dirs, config=2, generation_config=77)
@@ -63,3 +63,12 @@ def test_generation_stops_at_an_end_id_from_the_model_files(tmp_path, tiny_dirs,
         assert isinstance(stats, RequestStats)
         assert got == ids[:3] and stats.finish_reason == "stop", engine.name
         assert stats.completion_tokens == 4  # the end token counts, as OpenAI's usage does
+
+
+def test_the_chat_template_ends_with_the_assistant_turn(tiny_dirs):
+    tok = ChatTokenizer(tiny_dirs["llama"][0])
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(messages)
+    opening = [1] + tok.encode("assistant\n")  # <|im_start|>assistant, the model's turn
+    assert ids[-len(opening):] == opening and "hi" in tok.decode(ids)
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == ids[: -len(opening)]

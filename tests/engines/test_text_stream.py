@@ -43,6 +43,8 @@ def test_detokenizer_round_trips_any_text(text):
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=10),
 )
 @example(text="XXaX", stops=["a", "XaX"], cuts=[3])  # a later-starting stop completes first
+@example(text="xxabcd", stops=["abcd"], cuts=[4])  # held: a partial of every length
+@example(text="xxabcd", stops=["abcd"], cuts=[3, 5])
 @settings(max_examples=300, deadline=None)
 def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(text, stops, cuts):
     pieces, last = [], 0
@@ -60,6 +62,17 @@ def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(text, stops, 
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     assert out == (text[: min(hits)] if hits else text)
     assert matcher.stopped == bool(hits)
+
+
+def test_text_no_stop_could_complete_is_released_at_once():
+    """Only a tail that may still become a stop is held back; the rest streams now."""
+    matcher = StopMatcher(["xyz", "hello!"])
+    assert matcher.feed("hello") == ""  # may be the start of "hello!"
+    assert matcher.feed(" world") == "hello world"
+    assert matcher.feed(" x") == " "  # "x" may start "xyz"
+    assert matcher.feed("y") == ""
+    assert matcher.feed("w") == "xyw"
+    assert StopMatcher(["abcd"]).feed("xxab") == "xx"
 
 
 def _run(reply_ids, params, eos=frozenset({EOS})):
