@@ -213,3 +213,34 @@ def test_zero_shot_maths_against_a_hand_computation(tiny_dirs, calibrate, scorin
         assert got.label == labels[int(np.argmax(expected))]
     # The listings differ enough on this model for the averaging to show.
     assert np.abs(scores(labels, inputs[0]) - scores(labels[::-1], inputs[0])).max() > 0.01
+
+
+def test_labels_under_a_template_that_rewrites_earlier_turns(tiny_dirs, tmp_path):
+    """Some templates render a turn differently once a reply follows it; the reply then cannot
+    be cut from the full conversation, and a label is scored as its own tokens and the end of
+    sequence. A template that keeps earlier turns gets the reply it renders."""
+    import shutil
+    from types import SimpleNamespace
+
+    from engines.tokenizer import ChatTokenizer
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"][0], path)
+    labels = ("good", "so-so")
+    kept = SimpleNamespace(tokenizer=ChatTokenizer(path))
+    im_end = 2
+    assert classify.label_continuations(kept, None, labels) == [
+        kept.tokenizer.encode(label) + [im_end] for label in labels]
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+        "{% if m['role'] == 'user' and not loop.last %} (answered){% endif %}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rewriting = SimpleNamespace(tokenizer=ChatTokenizer(path))
+    rewriting.tokenizer.eos_token_ids = frozenset({im_end, 40})
+    assert classify.label_continuations(rewriting, None, labels) == [
+        rewriting.tokenizer.encode(label) + [im_end] for label in labels]
+    # The reply's own end, not the smallest end id, when the template keeps earlier turns.
+    kept.tokenizer.eos_token_ids = frozenset({im_end, 1})
+    assert classify.label_continuations(kept, None, labels) == [
+        kept.tokenizer.encode(label) + [im_end] for label in labels]

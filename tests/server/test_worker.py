@@ -3,13 +3,14 @@ engine thread is done with it, whatever way it ended, so a small queue never fil
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from engines.base import Cancelled, Step
 from server.errors import APIError
-from server.worker import EngineWorker
+from server.worker import EngineWorker, WorkerStatus
 
 pytestmark = pytest.mark.anyio
 
@@ -146,3 +147,37 @@ async def test_a_job_stopped_while_queued_never_runs_and_is_released():
     assert await first is True
     assert await settled(worker) == 0 and ran == []
     worker.close()
+
+
+async def test_status_says_what_runs_since_when_and_how_late():
+    worker = fresh(max_queue=4, timeout_s=30)
+    assert worker.status() == WorkerStatus(0, 0, None, 0.0, None)
+    gate, started = threading.Event(), threading.Event()
+
+    def job(engine, should_stop):
+        started.set()
+        gate.wait(5)
+
+    running = asyncio.create_task(worker.call("classification", job))
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    waiting = asyncio.create_task(worker.call("generation", lambda e, s: None))
+    await asyncio.sleep(0.05)
+    status = worker.status()
+    assert (status.running, status.waiting, status.kind) == (1, 1, "classification")
+    assert status.overdue_s == 0.0  # well inside its 30 s
+    assert abs(status.busy_since - time.time()) < 2
+    gate.set()
+    await running
+    await waiting
+    assert await settled(worker) == 0
+    assert worker.status() == WorkerStatus(0, 0, None, 0.0, None)
+    worker.close()
+
+
+async def test_close_closes_the_engine_on_its_thread():
+    closed = threading.Event()
+    worker = EngineWorker("test", max_queue=1)
+    worker.engine = SimpleNamespace(close=lambda: closed.set())
+    worker.close()
+    assert closed.wait(5) and worker.engine is None
