@@ -58,31 +58,37 @@ def report(baseline: float | None) -> int:
     for name, status in statuses.items():
         per_module[module_of(name)][status] += 1
     # A mutant no test runs ("no tests": code reached only in a subprocess, or not at all)
-    # survives as surely as one the tests run and miss: both count as surviving.
-    print(f"{'module':40} {'mutants':>8} {'killed':>7} {'survived':>9} {'no tests':>9} "
-          f"{'other':>6} {'surviving':>10}")
+    # survives as surely as one the tests run and miss: both count as surviving. A timeout is
+    # a mutant that made the tests hang, so caught; "not checked" ones (a run cut short) are
+    # left out of the rate.
+    print(f"{'module':40} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} "
+          f"{'no tests':>9} {'not run':>8} {'surviving':>10}")
     rows = {}
     for module in sorted(per_module):
         c = per_module[module]
-        total, lived = sum(c.values()), c["survived"] + c["no tests"]
-        other = total - c["killed"] - lived
-        rows[module] = {"mutants": total, "killed": c["killed"], "survived": c["survived"],
-                        "no_tests": c["no tests"], "other": other,
-                        "surviving_rate": round(lived / total, 4)}
-        print(f"{module:40} {total:8} {c['killed']:7} {c['survived']:9} {c['no tests']:9} "
-              f"{other:6} {lived / total:10.1%}")
-    total = sum(r["mutants"] for r in rows.values())
-    survived = sum(r["survived"] + r["no_tests"] for r in rows.values())
-    rate = survived / total
-    print(f"{'all':40} {total:8} {sum(r['killed'] for r in rows.values()):7} "
-          f"{sum(r['survived'] for r in rows.values()):9} "
-          f"{sum(r['no_tests'] for r in rows.values()):9} {'':6} {rate:10.1%}")
+        total = sum(c.values())
+        checked = total - c["not checked"]
+        lived = c["survived"] + c["no tests"]
+        rows[module] = {"mutants": total, "killed": c["killed"], "timeout": c["timeout"],
+                        "survived": c["survived"], "no_tests": c["no tests"],
+                        "not_run": c["not checked"],
+                        "surviving_rate": round(lived / checked, 4) if checked else None}
+        print(f"{module:40} {total:8} {c['killed']:7} {c['timeout']:8} {c['survived']:9} "
+              f"{c['no tests']:9} {c['not checked']:8} "
+              f"{(lived / checked if checked else 0):10.1%}")
+    sums = {k: sum(r[k] for r in rows.values())
+            for k in ("mutants", "killed", "timeout", "survived", "no_tests", "not_run")}
+    total = sums["mutants"]
+    survived = sums["survived"] + sums["no_tests"]
+    rate = survived / (total - sums["not_run"])
+    print(f"{'all':40} {total:8} {sums['killed']:7} {sums['timeout']:8} {sums['survived']:9} "
+          f"{sums['no_tests']:9} {sums['not_run']:8} {rate:10.1%}")
     survivors = [{"mutant": name, "module": module_of(name), "status": status,
                   "diff": diff_of(name)}
                  for name, status in sorted(statuses.items()) if status in ("survived", "no tests")]
     OUT.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "tool": f"mutmut {mutmut('--version').split()[-1]}",
-        "mutants": total, "survived": survived, "surviving_rate": round(rate, 4),
+        **sums, "surviving_rate": round(rate, 4),
         "modules": rows, "survivors": survivors,
     }, indent=2, ensure_ascii=False) + "\n")
     print(f"\nwrote {OUT.relative_to(ROOT)} ({len(survivors)} survivors with their diffs)")

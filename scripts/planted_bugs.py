@@ -67,8 +67,8 @@ BUGS = [
         ("tests/engines/test_torch_parity.py",)),
     Bug("graph_position", "CudaGraphRunner does not restore its position buffer after a capture",
         "engines/torch_engine/runner.py",
-        "        self._pos.copy_(saved_pos)\n",
-        "",
+        "\n            self._pos.copy_(saved_pos)\n",
+        "\n",
         ("tests/engines/test_cuda_runner_host.py",)),
     Bug("one_listing", "classification scores only the given label order (the reversed "
         "listing is dropped)",
