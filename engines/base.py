@@ -50,6 +50,7 @@ class RequestStats:
     device: str
     finish_reason: FinishReason
     total_s: float = 0.0
+    queue_s: float = 0.0  # arrival to first scheduled step
 
 
 GenerationEvent = Step | RequestStats

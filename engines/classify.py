@@ -167,7 +167,7 @@ def zero_shot(
     if not getattr(engine.tokenizer, "has_chat_template", True):
         raise UnsupportedModel("this model has no chat template, which zero-shot scoring needs")
     start = time.perf_counter()
-    engine._meter.reset()
+    engine.meter.reset()
     labels, n = params.labels, len(params.labels)
     texts = list(params.inputs) + ([CONTENT_FREE_INPUT] if params.calibrate else [])
     # Calibrating also lists the labels in reverse: a small model favours whichever label the
@@ -184,7 +184,7 @@ def zero_shot(
         engine.score_continuations(group, continuations, should_stop)
         for group in _prefix_groups(prompts, len(listings))
     ]
-    engine._meter.sample()
+    engine.meter.sample()
     per_prompt = [
         [_label_score(lp, params.label_scoring) for lp in row]
         for scored in per_listing for row in scored.token_logprobs
@@ -216,8 +216,8 @@ def zero_shot(
         ttft_s=prefill_s,
         prefill_tokens_per_s=prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
         decode_tokens_per_s=label_tokens / score_s if score_s > 0 else 0.0,
-        peak_memory_bytes=engine._meter.peak_bytes(),
-        kv_cache_bytes=engine._kv_cache_bytes(),
+        peak_memory_bytes=engine.meter.peak_bytes(),
+        kv_cache_bytes=0,  # scoring runs on a scratch cache, not the KV pool
         engine=engine.name,
         device=engine.device,
         finish_reason="stop",

@@ -83,6 +83,18 @@ def synchronize(device: str) -> None:
         torch.mps.synchronize()
 
 
+def free_memory_bytes(device: str) -> int | None:
+    """Memory free for the KV cache on the device, now (after the weights loaded)."""
+    import torch
+
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    if device == "mps":
+        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    return int(psutil.virtual_memory().available)
+
+
 class RSSMeter(MemoryMeter):
     """CPU: the process's resident set, sampled each step (RSS has no resettable peak)."""
 

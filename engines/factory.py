@@ -51,9 +51,11 @@ def create_engine(
     context_length: int,
     dtype: str = "auto",
     task: str = "generate",
+    runtime_options: dict | None = None,
     **torch_options,
 ) -> Engine:
-    """torch_options (device, compile, mps_memory_fraction) go to the torch engine only.
+    """runtime_options (kv_cache_memory, max_batch, max_prefill_tokens) go to either generating
+    engine; torch_options (device, compile, mps_memory_fraction) to the torch engine only.
     A classify model (a sequence-classification checkpoint) runs on the torch engine only."""
     require_backend(name)
     if task == "classify":
@@ -68,7 +70,9 @@ def create_engine(
     if name == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, context_length=context_length, dtype=dtype, **torch_options)
+        return TorchEngine(model_dir, context_length=context_length, dtype=dtype,
+                           **(runtime_options or {}), **torch_options)
     from .mlx_engine import MLXEngine
 
-    return MLXEngine(model_dir, context_length=context_length, dtype=dtype)
+    return MLXEngine(model_dir, context_length=context_length, dtype=dtype,
+                     **(runtime_options or {}))

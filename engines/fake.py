@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from .base import (
     ClassificationResult,
@@ -18,10 +18,11 @@ from .base import (
     InputClassification,
     LabelScore,
     RequestStats,
-    SamplingParams,
     check_stop,
 )
-from .generation import MemoryMeter, TokenLoopEngine
+from .generation import GenerationEngine, MemoryMeter
+from .runtime.kv import BlockPool
+from .runtime.plan import StepOutput, StepPlan
 
 EOS = 256
 
@@ -55,7 +56,10 @@ class FixedMeter(MemoryMeter):
         return self.peak
 
 
-class FakeEngine(TokenLoopEngine):
+class FakeEngine(GenerationEngine):
+    """Each sequence's reply is the script's bytes then EOS. A step takes token_delay_s
+    however many sequences it carries, as a batched step would."""
+
     def __init__(
         self,
         name: str = "fake",
@@ -66,6 +70,9 @@ class FakeEngine(TokenLoopEngine):
         trace: list | None = None,
         peak_memory_bytes: int = 0,
         kv_bytes_per_token: int = 0,
+        max_batch: int = 1,
+        kv_tokens: int | None = None,
+        max_prefill_tokens: int = 512,
     ):
         self.name = name
         self.reply = reply
@@ -76,27 +83,28 @@ class FakeEngine(TokenLoopEngine):
         # (request number, token) in the order tokens were produced, to check for interleaving.
         self.trace = trace if trace is not None else []
         self.device = "cpu"
-        self._meter = FixedMeter(peak_memory_bytes)
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self._cached_tokens = 0
+        self.meter = FixedMeter(peak_memory_bytes)
+        self.steps: list[int] = []  # how many rows each step carried
+        tokens = kv_tokens if kv_tokens is not None else max_batch * context_length
+        self.init_runtime(BlockPool(-(-tokens // 16), 16, kv_bytes_per_token),
+                          max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
         self.info = EngineInfo(
             engine=name, device="cpu", dtype="none", context_length=context_length,
             backend_version="fake 0",
         )
 
-    def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        self.calls.append(list(prompt_ids))
-        request_no = len(self.calls) - 1
-        self._cached_tokens = len(prompt_ids)
-        for token in [*self.tokenizer.encode(self.reply), EOS]:
-            if self.token_delay_s:
-                time.sleep(self.token_delay_s)
-            self.trace.append((request_no, token))
-            self._cached_tokens += 1
-            yield token
+    def executor(self) -> FakeExecutor:
+        return FakeExecutor(self)
 
-    def _kv_cache_bytes(self) -> int:
-        return self.kv_bytes_per_token * self._cached_tokens
+    def script(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The tokens a sequence with this prompt is given, in order."""
+        return [*self.tokenizer.encode(self.reply), EOS]
+
+    def before_token(self, request_no: int, index: int) -> None:
+        """Called before a sequence's index-th token; tests raise here to fail a step."""
+
+    def ended(self, request_no: int, tokens: int) -> None:
+        """Called when the runtime lets a sequence go, with how many tokens it was given."""
 
     def score_continuations(self, prompts, continuations, should_stop=None) -> ContinuationScores:
         """Every token costs -1; a continuation gains 3 for each time its text (its bytes up
@@ -125,6 +133,46 @@ class FakeEngine(TokenLoopEngine):
 
     def close(self) -> None:
         pass
+
+
+class FakeExecutor:
+    chunked_prefill = True
+
+    def __init__(self, engine: FakeEngine):
+        self.engine = engine
+        self._request_no: dict[int, int] = {}
+        self._script: dict[int, list[int]] = {}
+        self._made: dict[int, int] = {}
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        e = self.engine
+        self.release(plan.released)
+        for row in plan.rows:
+            if row.seq_id not in self._request_no:
+                e.calls.append(list(row.tokens))
+                self._request_no[row.seq_id] = len(e.calls) - 1
+                self._script[row.seq_id] = e.script(row.tokens)
+        if not plan.rows:
+            return StepOutput({})
+        e.steps.append(len(plan.rows))
+        if e.token_delay_s:
+            time.sleep(e.token_delay_s)
+        out = {}
+        for row in plan.rows:
+            if row.sample:
+                e.before_token(self._request_no[row.seq_id], row.draws)
+                script = self._script[row.seq_id]
+                token = script[min(row.draws, len(script) - 1)]
+                e.trace.append((self._request_no[row.seq_id], token))
+                self._made[row.seq_id] = row.draws + 1
+                out[row.seq_id] = token
+        return StepOutput(out)
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            if seq_id in self._request_no:
+                self.engine.ended(self._request_no.pop(seq_id), self._made.pop(seq_id, 0))
+                self._script.pop(seq_id, None)
 
 
 class FakeClassifier:

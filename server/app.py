@@ -34,6 +34,8 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     override = {startup_model: settings.engine} if settings.engine else {}
     if factory is None:
         factory = BackendEngineFactory(
+            dict(kv_cache_memory=settings.kv_cache_memory, max_batch=settings.max_batch,
+                 max_prefill_tokens=settings.max_prefill_tokens),
             device=settings.device, compile=settings.compile,
             mps_memory_fraction=settings.mps_memory_fraction,
         )

@@ -32,6 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
             "api_keys": args.api_key, "api_key_file": args.api_key_file,
             "cors_origins": args.cors_origin, "max_body_bytes": args.max_body_bytes,
             "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
+            "max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens,
+            "kv_cache_memory": args.kv_cache_memory,
             "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
             "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
             "keep_alive_timeout_s": args.keep_alive_timeout,
@@ -111,7 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="allow this browser origin (repeatable; '*' for any; default: CORS off)")
     serve.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     serve.add_argument("--max-queue", type=int,
-                       help="requests that may wait per engine (default 32); more get 429")
+                       help="requests that may wait per engine beyond its running batch "
+                       "(default 32); more get 429")
+    serve.add_argument("--max-batch", type=int,
+                       help="sequences an engine decodes at once (default 32)")
+    serve.add_argument("--max-prefill-tokens", type=int,
+                       help="prompt tokens prefilled per step, long prompts in chunks between "
+                       "decode steps (default 512)")
+    serve.add_argument("--kv-cache-memory", metavar="SIZE",
+                       help="KV cache per engine, e.g. 4GiB (default: max-batch full contexts, "
+                       "at most half the free memory)")
     serve.add_argument("--request-timeout", type=float, metavar="SECONDS",
                        help="time limit of one generation, queueing included (default 600)")
     serve.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",

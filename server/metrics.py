@@ -53,14 +53,19 @@ class ServerMetrics:
             ["model", "engine"], registry=self.registry,
         )
         self.kv_cache = Gauge(
-            "duet_engine_kv_cache_bytes", "Bytes held by the engine's KV cache",
+            "duet_generation_kv_cache_bytes", "KV cache bytes the latest generation held",
             ["model", "engine"], registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "duet_queue_seconds", "Time from a generation's arrival to its first scheduled step",
+            ["model", "engine"], buckets=_TTFT_BUCKETS, registry=self.registry,
         )
         self.registry.register(_LiveCollector(model_registry))
 
     def observe_generation(self, model: str, engine: str, stats: RequestStats) -> None:
         self.tokens.labels(model, engine, "prompt").inc(stats.prompt_tokens)
         self.tokens.labels(model, engine, "completion").inc(stats.completion_tokens)
+        self.queue_time.labels(model, engine).observe(stats.queue_s)
         if stats.completion_tokens:
             self.ttft.labels(model, engine).observe(stats.ttft_s)
         if stats.decode_tokens_per_s > 0:
@@ -90,13 +95,26 @@ class _LiveCollector:
             "thread (generations, classifications, bench runs), by state",
             labels=["model", "engine", "state"],
         )
+        batch = GaugeMetricFamily(
+            "duet_engine_batch_size", "Sequences in the engine's latest step",
+            labels=["model", "engine"])
+        kv_used = GaugeMetricFamily(
+            "duet_engine_kv_cache_used_bytes", "KV cache bytes held by running sequences",
+            labels=["model", "engine"])
+        kv_size = GaugeMetricFamily(
+            "duet_engine_kv_cache_bytes", "Size of the engine's KV cache",
+            labels=["model", "engine"])
         for model, engine, worker in self.model_registry.loaded_workers():
             depth.add_metric([model, engine], worker.pending)
             status = worker.status()
             jobs.add_metric([model, engine, "running"], status.running)
             jobs.add_metric([model, engine, "waiting"], status.waiting)
-        yield depth
-        yield jobs
+            runtime = worker.runtime_status()
+            if runtime is not None:
+                batch.add_metric([model, engine], runtime["batch"])
+                kv_used.add_metric([model, engine], runtime["kv_cache_used_bytes"])
+                kv_size.add_metric([model, engine], runtime["kv_cache_bytes"])
+        yield from (depth, jobs, batch, kv_used, kv_size)
         memory = self.process.memory_info()
         yield GaugeMetricFamily(
             "duet_process_resident_memory_bytes", "Resident memory of the server process",

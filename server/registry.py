@@ -37,7 +37,8 @@ class BackendEngineFactory:
 
     names = ENGINE_NAMES
 
-    def __init__(self, **torch_options):
+    def __init__(self, runtime_options: dict | None = None, **torch_options):
+        self.runtime_options = runtime_options or {}
         self.torch_options = torch_options
 
     def available(self, name: str) -> bool:
@@ -48,7 +49,7 @@ class BackendEngineFactory:
         options = self.torch_options if name == "torch" else {}
         return create_engine(
             name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
-            task=spec.task, **options,
+            task=spec.task, runtime_options=self.runtime_options, **options,
         )
 
 
@@ -84,9 +85,13 @@ class ModelRegistry:
         worker = self._workers.get((model_id, engine))
         return worker is not None and worker.loaded
 
-    def loaded_info(self, model_id: str, engine: str):
+    def loaded_worker(self, model_id: str, engine: str) -> EngineWorker | None:
         worker = self._workers.get((model_id, engine))
-        return worker.engine.info if worker is not None and worker.loaded else None
+        return worker if worker is not None and worker.loaded else None
+
+    def loaded_info(self, model_id: str, engine: str):
+        worker = self.loaded_worker(model_id, engine)
+        return worker.engine.info if worker is not None else None
 
     async def worker(self, model_id: str, engine: str | None = None) -> EngineWorker:
         """The worker of a loaded engine, loading it on first use."""

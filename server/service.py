@@ -77,7 +77,7 @@ class GenerationService:
             raise from_engine_error(exc, prompt_param) from exc
 
         events = self._observed(
-            worker.stream(lambda eng, should_stop: eng.generate(prompt_ids, params, should_stop)),
+            worker.generate(prompt_ids, params),
             spec.id, engine.name,
         )
         shape = ResponseShape(chat=chat, model=spec.id)

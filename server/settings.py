@@ -59,8 +59,19 @@ class Settings(BaseSettings):
         1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413"
     )
     max_queue: int = Field(
-        32, ge=0, description="Requests that may wait per engine behind the one running; "
+        32, ge=0, description="Requests that may wait per engine behind the running batch; "
         "more get 429 with Retry-After",
+    )
+    max_batch: int = Field(
+        32, ge=1, le=1024, description="Sequences an engine decodes at once (its running batch)"
+    )
+    max_prefill_tokens: int = Field(
+        512, ge=16, description="Prompt tokens prefilled per step; longer prompts go in chunks "
+        "between decode steps, so running streams keep flowing",
+    )
+    kv_cache_memory: int | None = Field(
+        None, ge=1, description="Bytes of KV cache per engine (e.g. 2GiB, 512MB); default: "
+        "max_batch full contexts, at most half the memory free once the weights are loaded",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Time limit of one generation request, queueing included"
@@ -107,6 +118,11 @@ class Settings(BaseSettings):
         100, ge=1, le=10_000, description="POST /v1/classifications: longest label, in characters"
     )
 
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _byte_size(cls, value):
+        return parse_bytes(value) if isinstance(value, str) else value
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _comma_separated(cls, value):
@@ -131,3 +147,17 @@ class Settings(BaseSettings):
                 raise ValueError("an API key must be non-empty and contain no whitespace")
         return frozenset(keys)
 
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512 MB', '1e9' -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"'{text}' is not a size (for example 2GiB, 512MB or 1000000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])

@@ -30,6 +30,7 @@ def metrics(stats: RequestStats) -> dict:
     return {
         "engine": stats.engine,
         "device": stats.device,
+        "queue_ms": round(stats.queue_s * 1000, 3),
         "ttft_ms": round(stats.ttft_s * 1000, 3),
         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),

@@ -1,11 +1,12 @@
-"""One worker thread per engine: units of work run one at a time, in arrival order, never mixed.
+"""The async face of one loaded engine: its EngineLoop (engines/runtime/loop.py) owns the
+engine's thread; this admits work against the queue bound and carries events back to asyncio.
 
-The engine lives on its thread (MLX streams are thread-local; torch is happiest that way too).
-Every unit of work (a generation, a classification, a bench run) is a Job: admitted against the
-queue bound, given a stop flag and a deadline (the request time limit, its wait included), and
-counted as pending until the engine thread has finished with it, not merely until its caller
-gave up. A caller that leaves or runs out of time sets the stop flag; the engine reads it at its
-next step (a decode step, a piece of a classification) and the thread moves on.
+Generations join the loop's running batch; other units of work (a classification, a bench run)
+run whole between two steps. Each is a Job: admitted against the bound (max_batch running plus
+max_queue waiting), given a stop flag and a deadline (the request time limit, its wait
+included), and counted as pending until the engine thread has finished with it, not merely
+until its caller gave up. A caller that leaves or runs out of time sets the stop flag; the loop
+reads it at its next step and the sequence leaves the batch there.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from engines.base import Cancelled, Engine, GenerationEvent, StopCheck
+from engines.base import Cancelled, Engine, GenerationEvent, RequestStats, SamplingParams, StopCheck
+from engines.runtime.loop import EngineLoop
+from engines.runtime.runtime import Submission
 
 from .errors import queue_full, request_timed_out
 
 T = TypeVar("T")
-_END = object()
 JobKind = Literal["generation", "classification", "bench"]
 
 
@@ -42,9 +43,9 @@ class Job:
 class WorkerStatus:
     running: int
     waiting: int
-    busy_since: float | None  # time.time() at which the running job started
-    overdue_s: float  # how far the running job is past its deadline (0 if not)
-    kind: JobKind | None  # the running job's
+    busy_since: float | None  # time.time() at which the oldest running job started
+    overdue_s: float  # how far the most overdue running job is past its deadline (0 if not)
+    kind: JobKind | None  # the oldest running job's
 
 
 class EngineWorker:
@@ -56,7 +57,7 @@ class EngineWorker:
         self._jobs: list[Job] = []  # admitted and not finished by the engine thread, in order
         self._lock = threading.Lock()  # _jobs changes on the event loop and the engine thread
         self._mean_s = 1.0  # a running mean of job times, for Retry-After
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{label}")
+        self.loop = EngineLoop(label)
 
     @property
     def loaded(self) -> bool:
@@ -64,33 +65,51 @@ class EngineWorker:
 
     @property
     def pending(self) -> int:
-        """Jobs admitted and not finished on the engine thread, the running one included."""
+        """Jobs admitted and not finished on the engine thread, the running ones included."""
         return len(self._jobs)
+
+    @property
+    def max_running(self) -> int:
+        return getattr(self.engine, "max_batch", 1)
 
     def status(self) -> WorkerStatus:
         with self._lock:
             jobs = list(self._jobs)
-        running = next((j for j in jobs if j.started is not None), None)
-        if running is None:
+        running = [j for j in jobs if j.started is not None]
+        if not running:
             return WorkerStatus(0, len(jobs), None, 0.0, None)
         now = time.monotonic()
-        overdue = max(0.0, now - running.deadline) if running.deadline is not None else 0.0
-        return WorkerStatus(1, len(jobs) - 1, time.time() - (now - running.started), overdue,
-                            running.kind)
+        oldest = min(running, key=lambda j: j.started)
+        overdue = max((now - j.deadline for j in running if j.deadline is not None), default=0.0)
+        return WorkerStatus(len(running), len(jobs) - len(running),
+                            time.time() - (now - oldest.started), max(0.0, overdue), oldest.kind)
+
+    def runtime_status(self) -> dict | None:
+        """The running batch and the KV pool, for a generating engine (None for others)."""
+        pool = getattr(self.engine, "kv_pool", None)
+        runtime = self.loop.runtime
+        if pool is None or runtime is None:
+            return None
+        return {"batch": runtime.last_batch, "max_batch": self.engine.max_batch,
+                "kv_cache_used_bytes": pool.used_bytes, "kv_cache_bytes": pool.capacity_bytes,
+                "kv_cache_used_tokens": pool.used_blocks * pool.block_size,
+                "kv_cache_tokens": pool.capacity_tokens}
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn on the engine's thread, after everything queued before it. Not admitted nor
+        """Run fn on the engine's thread, after the jobs submitted before it. Not admitted nor
         counted: for loading and closing, not for requests."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.wrap_future(self.loop.submit(lambda: fn(*args)))
 
     async def call(self, kind: JobKind, fn: Callable[[Engine, StopCheck], T], *,
                    bounded: bool = True) -> T:
-        """fn(engine, should_stop) on the engine's thread as one job. A caller that is
-        cancelled, or whose time runs out (504), stops the job at its next step; either way
-        the job stays pending until the thread is done with it. bounded=False admits past the
-        queue bound (a bench's next run, which keeps at most one job queued)."""
+        """fn(engine, should_stop) on the engine's thread as one job, between two steps. A
+        caller that is cancelled, or whose time runs out (504), stops the job at its next step;
+        either way the job stays pending until the thread is done with it. bounded=False admits
+        past the queue bound (a bench's next run, which keeps at most one job queued)."""
         job = self._admit(kind, bounded)
-        done = self._submit(job, fn)
+        done = asyncio.wrap_future(self.loop.submit(lambda: self._execute(job, fn)))
+        # Read the outcome even when nobody waits for it any more (no "never retrieved" noise).
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             # shield: a queued job must still reach the thread, which is where it is released.
             return await asyncio.wait_for(asyncio.shield(done), self._time_left(job))
@@ -99,46 +118,43 @@ class EngineWorker:
         finally:
             job.stop.set()
 
-    async def stream(
-        self, start: Callable[[Engine, StopCheck], Iterator[GenerationEvent]]
-    ) -> AsyncIterator[GenerationEvent]:
-        """Yield the events of start(engine, should_stop) as the engine thread produces them.
-
-        If the consumer stops early (a client went away) or the time limit passes, the engine is
-        told to stop at its next step; the job is released once the thread has let it go."""
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams
+                       ) -> AsyncIterator[GenerationEvent]:
+        """The events of one generation, as the loop produces them; it runs in the engine's
+        batch. If the consumer stops early (a client went away) or the time limit passes, the
+        sequence leaves the batch at the next step; the job is released once the loop has let
+        it go."""
         job = self._admit("generation", True)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def post(item: Any) -> None:
+        def emit(event: Any) -> None:
+            if isinstance(event, (RequestStats, BaseException)):
+                self._release(job)  # the loop is done with it
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:  # the event loop is gone: the server is shutting down
                 job.stop.set()
 
-        def produce(engine: Engine, should_stop: StopCheck) -> None:
-            try:
-                for event in start(engine, should_stop):
-                    post(event)
-                    if job.stop.is_set():
-                        break
-            except BaseException as exc:  # handed to the consumer, which re-raises it
-                post(exc)
-            finally:
-                post(_END)
+        def on_start() -> None:
+            job.started = time.monotonic()
 
         try:
-            self._submit(job, produce)
+            self.loop.add(Submission(list(prompt_ids), params, emit, job.stop.is_set, on_start))
+        except BaseException:
+            self._release(job)
+            raise
+        try:
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), self._time_left(job))
                 except TimeoutError:
                     raise request_timed_out(self.timeout_s) from None
-                if item is _END:
-                    break
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                if isinstance(item, RequestStats):
+                    break
         finally:
             job.stop.set()
 
@@ -148,19 +164,21 @@ class EngineWorker:
     def _admit(self, kind: JobKind, bounded: bool) -> Job:
         now = time.monotonic()
         with self._lock:
-            if bounded and len(self._jobs) > self.max_queue:
-                waiting = len(self._jobs) - 1
+            capacity = self.max_running + self.max_queue
+            if bounded and len(self._jobs) >= capacity:
+                waiting = len(self._jobs) - self.max_running
                 retry = min(60, max(1, math.ceil(self._mean_s * (waiting + 1 - self.max_queue))))
                 raise queue_full(self.label, waiting, retry)
             job = Job(kind, now + self.timeout_s if self.timeout_s else None)
             self._jobs.append(job)
         return job
 
-    def _submit(self, job: Job, fn: Callable[[Engine, StopCheck], T]) -> asyncio.Future:
-        done = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, job, fn)
-        # Read the outcome even when nobody waits for it any more (no "never retrieved" noise).
-        done.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return done
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+                if job.started is not None:
+                    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
 
     def _execute(self, job: Job, fn: Callable[[Engine, StopCheck], T]) -> T:
         """On the engine thread: run the job unless it was stopped while it waited."""
@@ -170,13 +188,15 @@ class EngineWorker:
             job.started = time.monotonic()
             return fn(self.engine, job.stop.is_set)
         finally:
-            with self._lock:
-                self._jobs.remove(job)
-                if job.started is not None:
-                    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
+            self._release(job)
 
     async def load(self, make: Callable[[], Engine]) -> Engine:
-        self.engine = await self.run(make)
+        def build() -> Engine:
+            engine = make()
+            self.loop.attach(engine)
+            return engine
+
+        self.engine = await self.run(build)
         return self.engine
 
     def stop_all(self) -> None:
@@ -190,19 +210,16 @@ class EngineWorker:
         timeout_s. Returns whether it closed in time."""
         self.stop_all()
         engine, self.engine = self.engine, None
-        closed = True
         if engine is not None:
-            done = asyncio.get_running_loop().run_in_executor(self._executor, engine.close)
-            try:
-                await asyncio.wait_for(done, timeout_s)
-            except TimeoutError:
-                closed = False
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        return closed
+            self.loop.submit(engine.close)
+        self.loop.close()
+        # The loop ends stopped generations, closes the engine and exits: wait for all of it,
+        # so nothing of the engine's is still running when the process goes on to exit.
+        return await asyncio.to_thread(self.loop.join, timeout_s)
 
     def close(self) -> None:
         self.stop_all()
         engine, self.engine = self.engine, None
         if engine is not None:
-            self._executor.submit(engine.close)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            self.loop.submit(engine.close)
+        self.loop.close()

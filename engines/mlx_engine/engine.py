@@ -6,18 +6,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..base import EngineInfo, SamplingParams
+from ..base import EngineInfo
 from ..dummy import is_dummy
-from ..generation import MemoryMeter, TokenLoopEngine, warm_up
+from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..model_config import attention_window
+from ..runtime.sizing import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    describe_pool,
+    fit_context,
+    pool_info,
+    size_pool,
+)
 from ..tokenizer import ChatTokenizer
-from .sampling import make_sampler
+from .executor import MLXExecutor
 
 log = logging.getLogger("duet.engines.mlx")
 
@@ -48,10 +56,12 @@ class MLXMeter(MemoryMeter):
         return int(mx.get_peak_memory())
 
 
-class MLXEngine(TokenLoopEngine):
+class MLXEngine(GenerationEngine):
     name = "mlx"
 
-    def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto"):
+    def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto",
+                 kv_cache_memory: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
         from mlx_lm.utils import load_model
 
         started = time.perf_counter()
@@ -76,42 +86,33 @@ class MLXEngine(TokenLoopEngine):
                 model_dir, window, window, context_length,
             )
             context_length = window
-        self.context_length = context_length
+        pool = size_pool(bytes_per_token=_kv_bytes_per_token(config, self.dtype),
+                         context_length=context_length, max_batch=max_batch,
+                         memory_bytes=kv_cache_memory, free_bytes=None)
+        # The runtime's account of mlx-lm's caches, which grow in steps of 256 tokens: the
+        # bound holds to within a step per sequence.
+        self.context_length = fit_context(context_length, pool, "mlx")
+        self.init_runtime(pool, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
         self.tokenizer = ChatTokenizer(model_dir)
-        self._meter = MLXMeter()
-        self._cache: list = []
+        self.meter = MLXMeter()
         self.info = EngineInfo(
             engine=self.name,
             device=self.device,
             dtype=self.dtype,
-            context_length=context_length,
+            context_length=self.context_length,
             backend_version=f"mlx {mx.__version__}, mlx-lm {_mlx_lm_version()}",
+            extra=pool_info(pool, max_batch),
         )
         log.info(
-            "mlx engine loaded %s on %s (%s) in %.1fs; warm-up took %.2fs",
-            model_dir, self.device, self.dtype, time.perf_counter() - started, warm_up(self),
+            "mlx engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
+            model_dir, self.device, self.dtype, time.perf_counter() - started,
+            describe_pool(pool, max_batch), warm_up(self),
         )
 
-    def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        from mlx_lm.generate import generate_step
-        from mlx_lm.models.cache import make_prompt_cache
-
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        sampler = make_sampler(params)
-        self._cache = make_prompt_cache(self.model)
-        budget = self.context_length - len(prompt_ids) + 1
-        for token, _ in generate_step(
-            mx.array(list(prompt_ids)),
-            self.model,
-            max_tokens=min(params.max_tokens, budget),
-            sampler=sampler,
-            prompt_cache=self._cache,
-        ):
-            yield int(token)
-
-    def _kv_cache_bytes(self) -> int:
-        return int(sum(getattr(c, "nbytes", 0) for c in self._cache))
+    def executor(self) -> MLXExecutor:
+        return MLXExecutor(self.model, max_batch=self.max_batch,
+                           max_prefill_tokens=self.max_prefill_tokens,
+                           context_length=self.context_length)
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
@@ -125,7 +126,14 @@ class MLXEngine(TokenLoopEngine):
 
     def close(self) -> None:
         self.model = None
-        self._cache = []
+
+
+def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    size = 4 if dtype == "float32" else 2
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
 
 
 def _legacy_rope_keys(cfg: dict) -> dict:

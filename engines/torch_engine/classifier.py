@@ -56,7 +56,7 @@ class SequenceClassifierEngine:
         self.labels = tuple(str(id2label[i]) for i in range(self.model.config.num_labels))
         limit = getattr(self.model.config, "max_position_embeddings", None) or context_length
         self.context_length = min(context_length, limit)
-        self._meter = memory_meter(self.device)
+        self.meter = memory_meter(self.device)
         self.info = EngineInfo(
             engine=self.name, device=self.device, dtype=self.dtype,
             context_length=self.context_length, backend_version=f"torch {torch.__version__}",
@@ -68,7 +68,7 @@ class SequenceClassifierEngine:
     def classify(self, params: ClassifyParams, should_stop: StopCheck | None = None
                  ) -> ClassificationResult:
         start = time.perf_counter()
-        self._meter.reset()
+        self.meter.reset()
         texts = list(params.inputs)
         lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]]
         for n in lengths:
@@ -87,13 +87,13 @@ class SequenceClassifierEngine:
                 best = max(range(len(row)), key=row.__getitem__)
                 scores = tuple(LabelScore(l, math.exp(lp), lp) for l, lp in zip(self.labels, row))
                 results.append(InputClassification(self.labels[best], scores))
-        self._meter.sample()
+        self.meter.sample()
         total = time.perf_counter() - start
         tokens = int(sum(lengths))
         stats = RequestStats(
             prompt_tokens=tokens, completion_tokens=0, ttft_s=total,
             prefill_tokens_per_s=tokens / total if total > 0 else 0.0, decode_tokens_per_s=0.0,
-            peak_memory_bytes=self._meter.peak_bytes(), kv_cache_bytes=0,
+            peak_memory_bytes=self.meter.peak_bytes(), kv_cache_bytes=0,
             engine=self.name, device=self.device, finish_reason="stop", total_s=total,
         )
         return ClassificationResult(tuple(results), stats)

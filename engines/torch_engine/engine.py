@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..base import EngineInfo, SamplingParams
-from ..device import choose_device, choose_dtype, configure_mps, memory_meter, torch_dtype
-from ..generation import TokenLoopEngine, warm_up
+from ..base import EngineInfo
+from ..device import (
+    choose_device,
+    choose_dtype,
+    configure_mps,
+    free_memory_bytes,
+    memory_meter,
+    torch_dtype,
+)
+from ..generation import GenerationEngine, warm_up
+from ..runtime.sizing import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    describe_pool,
+    fit_context,
+    pool_info,
+    size_pool,
+)
 from ..tokenizer import ChatTokenizer
 from . import cpu_linear
+from .executor import TorchExecutor
 from .loader import load_model
-from .runner import CudaGraphRunner, CudaReadback, EagerRunner, StaticRunner, pipelined_ids
-from .sampling import make_sampler
+from .paged import PagedKV
 
 log = logging.getLogger("duet.engines.torch")
 
@@ -25,7 +40,7 @@ log = logging.getLogger("duet.engines.torch")
 COMPILE_MODES = ("auto", "on", "off")
 
 
-class TorchEngine(TokenLoopEngine):
+class TorchEngine(GenerationEngine):
     name = "torch"
 
     def __init__(
@@ -37,6 +52,9 @@ class TorchEngine(TokenLoopEngine):
         device: str = "auto",
         compile: str = "auto",
         mps_memory_fraction: float | None = None,
+        kv_cache_memory: int | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ):
         started = time.perf_counter()
         model_dir = Path(model_dir)
@@ -45,78 +63,61 @@ class TorchEngine(TokenLoopEngine):
             configure_mps(mps_memory_fraction)
         self.dtype = choose_dtype(dtype, self.device)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
         if onednn_linears(self.device, compile):
             log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
-        self.context_length = context_length
-        self.model.setup_cache(context_length)
+        args = self.model.args
+        per_token = PagedKV.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
+                                            torch_dtype(self.dtype))
+        pool = size_pool(
+            bytes_per_token=per_token, context_length=context_length, max_batch=max_batch,
+            memory_bytes=kv_cache_memory, free_bytes=free_memory_bytes(self.device),
+        )
+        self.context_length = fit_context(context_length, pool, "torch")
+        self.model.setup_rope(self.context_length)
+        self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, args.num_kv_heads,
+                          args.head_dim, torch_dtype(self.dtype), self.device)
+        self.init_runtime(pool, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
         self.tokenizer = ChatTokenizer(model_dir)
-        self._meter = memory_meter(self.device)
-        self.runner = make_runner(self.model, self.device, compile)
-        self.runner.warm_up()
+        self.meter = memory_meter(self.device)
         self.info = EngineInfo(
             engine=self.name,
             device=self.device,
             dtype=self.dtype,
-            context_length=context_length,
+            context_length=self.context_length,
             backend_version=f"torch {torch.__version__}",
-            extra={"compiled": str(self.runner.compiled).lower()},
+            extra={"compiled": "false", **pool_info(pool, max_batch)},
         )
         log.info(
-            "torch engine loaded %s on %s (%s, %s) in %.1fs; warm-up took %.2fs",
-            model_dir, self.device, self.dtype, type(self.runner).__name__,
-            time.perf_counter() - started, warm_up(self),
+            "torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
+            model_dir, self.device, self.dtype, time.perf_counter() - started,
+            describe_pool(pool, max_batch), warm_up(self),
         )
 
-    def _token_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        sample = make_sampler(params, self.device)
-        token = sample(self.runner.prefill(prompt_ids))
-        if params.greedy:
-            step = self.runner.decode_greedy
-        else:
-            def step(token, pos):
-                return sample(self.runner.decode(token, pos))
-        if self.device.startswith("cuda"):
-            yield from pipelined_ids(token, len(prompt_ids), self.context_length, step,
-                                     CudaReadback())
-            return
-        pos = len(prompt_ids)
-        while True:
-            yield int(token.item())  # the one host sync per token: streaming needs the id
-            if pos >= self.context_length:
-                return
-            token = step(token, pos)
-            pos += 1
+    def executor(self) -> TorchExecutor:
+        return TorchExecutor(self.model, self.kv, self.device)
 
-    @torch.inference_mode()
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
-        tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
-        return self.model(tokens, 0)[0].float().cpu().numpy()
+        with torch.inference_mode(), self.model.scratch_cache(len(prompt_ids)):
+            tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
+            return self.model(tokens, 0)[0].float().cpu().numpy()
 
     def score_continuations(self, prompts, continuations, should_stop=None):
         from .scoring import score_continuations
 
-        return score_continuations(self.model, prompts, continuations, self.device, should_stop)
-
-    def _kv_cache_bytes(self) -> int:
-        return self.model.kv_cache_bytes
+        longest = max(len(p) for p in prompts) + max(len(c) for c in continuations)
+        with self.model.scratch_cache(min(longest, self.context_length)):
+            return score_continuations(self.model, prompts, continuations, self.device,
+                                       should_stop)
 
     def close(self) -> None:
         self.model = None
+        self.kv = None
 
 
 def onednn_linears(device: str, compile: str) -> bool:
     """Eager CPU only: the compiler cannot trace oneDNN's opaque weights (and with
     --compile on, Inductor packs weights its own way)."""
     return device == "cpu" and compile != "on" and cpu_linear.available()
-
-
-def make_runner(model, device: str, compile: str):
-    """compile=auto: compiled static decode (CUDA graphs) on CUDA, eager elsewhere."""
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
-    if device.startswith("cuda") and compile in ("auto", "on"):
-        return CudaGraphRunner(model, device)
-    if compile == "on":
-        return StaticRunner(model, device, compile=True)
-    return EagerRunner(model, device)

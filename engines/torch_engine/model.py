@@ -14,6 +14,7 @@ Two ways to address positions:
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -97,14 +98,16 @@ class Attention(nn.Module):
         # decode_attention.py instead of the PyTorch-op attention below.
         self.decode_kernel = False
 
-    def forward(self, x, cos, sin, pos, mask, kv_len=None):
+    def forward(self, x, cos, sin, pos, mask, kv_len=None, pool=None):
         b, t, _ = x.shape
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate Q and K together: half the small ops of rotating each.
         qk = apply_rope(qk.view(b, t, self.n_heads + self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if isinstance(pos, int):
+        if pool is not None:
+            out = self._paged_attention(q, k, v, pos, pool)
+        elif isinstance(pos, int):
             k, v = self.kv_cache.write_prefix(pos, k, v)
             if t == 1 and mask is None:
                 out = self._one_query_attention(q, k, v)
@@ -122,6 +125,28 @@ class Attention(nn.Module):
             else:
                 out = self._grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _paged_attention(self, q, k, v, batch, pool):
+        """Write the rows' K/V into the pool, then attend over each row's keys (gathered from
+        the pool, or the new keys alone when every row starts at 0) under the batch's mask."""
+        k_pool, v_pool = pool
+        b, _, t, d = q.shape
+        k_pool.index_copy_(0, batch.write_slots, k.transpose(1, 2).reshape(b * t, self.n_kv, d))
+        v_pool.index_copy_(0, batch.write_slots, v.transpose(1, 2).reshape(b * t, self.n_kv, d))
+        if batch.read_slots is not None:
+            k = k_pool[batch.read_slots].transpose(1, 2)  # [B, KV, L, D]
+            v = v_pool[batch.read_slots].transpose(1, 2)
+        mask = batch.mask
+        if mask is None:  # one fresh prompt: plain causal attention over its own keys
+            return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1,
+                                                  enable_gqa=self.n_kv != self.n_heads)
+        rep = self.n_heads // self.n_kv
+        # Fold each group's query heads into the query axis: the KV heads are read as they are.
+        q = q.reshape(b, self.n_kv, rep * t, d)
+        if rep > 1 and t > 1:
+            mask = mask.repeat(1, 1, rep, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.reshape(b, self.n_heads, t, d)
 
     def _one_query_attention(self, q, k, v):
         """Eager decode step: a group's query heads become the query axis of one K/V head, so
@@ -181,8 +206,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, pos, mask, kv_len=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, kv_len)
+    def forward(self, x, cos, sin, pos, mask, kv_len=None, pool=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, kv_len, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -206,13 +231,34 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_len = 0
 
+    @contextmanager
+    def scratch_cache(self, max_len: int):
+        """A contiguous batch-1 cache for max_len positions, for work outside the runtime's
+        pool (scoring, whole-prompt logits), freed afterwards."""
+        p = self.model.embed_tokens.weight
+        a = self.args
+        attns = [layer.self_attn for layer in self.model.layers]
+        saved = [attn.kv_cache for attn in attns]
+        try:
+            for attn in attns:
+                attn.kv_cache = KVCache(max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+            yield
+        finally:
+            for attn, cache in zip(attns, saved):
+                attn.kv_cache = cache
+
     def setup_cache(self, max_len: int) -> None:
         """Allocate the KV cache and rotary tables once, for the whole context."""
         p = self.model.embed_tokens.weight
         a = self.args
         for layer in self.model.layers:
             layer.self_attn.kv_cache = KVCache(max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
-        inv = rope_inv_freq(a).to(p.device)
+        self.setup_rope(max_len)
+
+    def setup_rope(self, max_len: int) -> None:
+        """The rotary tables for positions below max_len."""
+        p = self.model.embed_tokens.weight
+        inv = rope_inv_freq(self.args).to(p.device)
         freqs = torch.outer(torch.arange(max_len, device=p.device, dtype=torch.float32), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos().to(p.dtype), persistent=False)
@@ -221,6 +267,16 @@ class Transformer(nn.Module):
             "cache_pos", torch.arange(max_len, device=p.device), persistent=False
         )
         self.max_len = max_len
+
+    def forward_paged(self, batch, kv) -> torch.Tensor:
+        """Logits [B, V] after each row's last real token, for a PagedBatch over the pool kv."""
+        cos = self.rope_cos[batch.positions][:, None]  # [B, 1, T, D]
+        sin = self.rope_sin[batch.positions][:, None]
+        x = self.model.embed_tokens(batch.tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, None, None, (kv.k[i], kv.v[i]))
+        x = x[torch.arange(x.shape[0], device=x.device), batch.last]
+        return self.lm_head(self.model.norm(x))
 
     def use_kernels(self, attention: bool, activation: bool = False) -> None:
         """Route the static decode step's attention, and the MLP's activation, through the

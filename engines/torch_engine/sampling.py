@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 
-from ..base import SamplingParams
+from ..runtime.plan import ScheduledSeq
 
 ARGMAX_CHUNK = 1024
 
@@ -25,34 +25,66 @@ def argmax_in_chunks(logits: torch.Tensor) -> torch.Tensor:
     return index.gather(0, torch.argmax(best).view(1))
 
 
-def make_sampler(params: SamplingParams, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Build the sampler once per request; it maps logits [..., V] to token ids [..., 1], each
-    row on its own: temperature first, then top_k, then top_p over what top_k kept."""
-    if params.greedy:
-        return lambda logits: torch.argmax(logits, dim=-1, keepdim=True)
+_M32 = 0xFFFFFFFF
 
-    generator = torch.Generator(device=device)
-    if params.seed is not None:
-        generator.manual_seed(params.seed)
-    else:
-        generator.seed()
-    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
 
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float() / temperature
-        if 0 < top_k < logits.shape[-1]:
-            kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            # Keep a token while the tokens ranked above it hold less than top_p: the fewest
-            # tokens whose mass reaches top_p (the most likely one always stays).
-            drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        # Exponential race (Gumbel-max in disguise): a sample without torch.multinomial's sync.
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        return torch.argmax(probs / noise, dim=-1, keepdim=True)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding 32-bit values. Its
+    multipliers are below 2**31, so no product leaves int64's range on any backend."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
 
-    return sample
+
+def row_uniforms(seeds: torch.Tensor, draws: torch.Tensor, width: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), [B, width]: row b's are a function of (seeds[b], draws[b])
+    alone. A counter-based generator, so a row's draw does not depend on which rows share
+    the batch, nor on how many draws other requests made (a torch.Generator's would)."""
+    device = seeds.device
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _mix32(lo ^ _mix32(hi ^ _mix32(draws & _M32)))
+    columns = _mix32(torch.arange(width, device=device, dtype=torch.long))
+    bits = _mix32(columns[None, :] ^ key[:, None])
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """One token per row of logits [B, V], each row by its own settings: temperature first,
+    then top_k, then top_p over what top_k kept; greedy rows take the argmax. Stays on the
+    device (no host round trip to pick a token)."""
+    greedy = torch.argmax(logits, dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+    if not sampled:
+        return greedy
+    device = logits.device
+    pick = torch.tensor(sampled, device=device)
+    settings = [rows[i].sampling for i in sampled]
+    v = logits.shape[-1]
+    x = logits.index_select(0, pick).float()
+    x = x / torch.tensor([[s.temperature] for s in settings], device=device)
+    ks = [s.top_k if 0 < s.top_k < v else 0 for s in settings]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=device))
+        kth = torch.where(torch.tensor([[k > 0] for k in ks], device=device), kth, float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(s.top_p < 1.0 for s in settings):
+        # A row without top_p gets a threshold no cumulative sum reaches.
+        top_p = torch.tensor([[s.top_p if s.top_p < 1.0 else 2.0] for s in settings],
+                             device=device)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep a token while the tokens ranked above it hold less than top_p: the fewest
+        # tokens whose mass reaches top_p (the most likely one always stays).
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    # Seeds are folded into uint64 by the protocol; int64 holds the same bits.
+    seeds = torch.tensor([s.seed - (1 << 64) if s.seed >= 1 << 63 else s.seed for s in settings],
+                         device=device)
+    draws = torch.tensor([rows[i].draws for i in sampled], device=device)
+    # Exponential race (Gumbel-max in disguise): argmax of p / E with E ~ Exp(1) draws each
+    # token with probability p, and needs no multinomial (no sync, no cumulative search).
+    noise = -torch.log(row_uniforms(seeds, draws, v))
+    return greedy.index_copy(0, pick, torch.argmax(probs / noise, dim=-1))

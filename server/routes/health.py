@@ -10,7 +10,8 @@ router = APIRouter()
 def engine_state(model: str, engine: str, worker, stuck_grace_s: float) -> dict:
     status = worker.status()
     state = {"model": model, "engine": engine, "state": "idle", "busy_since": None,
-             "busy_s": None, "running": status.running, "waiting": status.waiting}
+             "busy_s": None, "running": status.running, "waiting": status.waiting,
+             **(worker.runtime_status() or {})}
     if status.busy_since is not None:
         state.update(
             state="stuck" if status.overdue_s > stuck_grace_s else "busy",

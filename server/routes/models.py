@@ -7,13 +7,19 @@ def _model_card(registry, spec, created: int) -> dict:
     engines = []
     for name in registry.factory.names:
         info = registry.loaded_info(spec.id, name)
-        engines.append({
+        card = {
             "name": name,
             "available": registry.factory.available(name),
             "loaded": info is not None,
             "device": info.device if info else None,
             "dtype": info.dtype if info else None,
-        })
+        }
+        worker = registry.loaded_worker(spec.id, name)
+        if worker is not None:
+            status = worker.status()
+            card.update(running=status.running, waiting=status.waiting,
+                        **(worker.runtime_status() or {}))
+        engines.append(card)
     return {
         "id": spec.id, "object": "model", "created": created, "owned_by": "duet",
         "task": spec.task, "context_length": spec.context_length,

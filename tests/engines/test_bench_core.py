@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from engines import bench_core as core
+from engines.base import Cancelled
 from engines.fake import FakeEngine
 
 
@@ -65,11 +66,13 @@ def test_engine_run_is_greedy_fixed_length_and_runs_past_end_of_sequence():
     assert params.greedy and params.ignore_eos and params.max_tokens == 12
     engine = FakeEngine(reply="ab")  # its script ends with end-of-sequence after 2 bytes
     stats = core.engine_run(engine, [1, 2, 3], 12)
-    # The end-of-sequence token did not stop it: only the fake's script ran out.
-    assert stats.finish_reason == "length" and stats.completion_tokens == 3
-    assert core.engine_run(FakeEngine(reply="x" * 50), [1], 12).completion_tokens == 12
-    stopped = core.engine_run(FakeEngine(reply="x" * 50), [1], 40, should_stop=lambda: True)
+    # The end-of-sequence token did not stop it (the fake repeats it once its script is out).
+    assert stats.finish_reason == "length" and stats.completion_tokens == 12
+    asked = iter([False] + [True] * 100)  # stop once the first step is done
+    stopped = core.engine_run(FakeEngine(reply="x" * 50), [1], 40, should_stop=lambda: next(asked))
     assert stopped.finish_reason == "cancelled" and stopped.completion_tokens == 1
+    with pytest.raises(Cancelled):  # stopped before it ever ran: nothing to report
+        core.engine_run(FakeEngine(reply="x" * 50), [1], 40, should_stop=lambda: True)
 
 
 @pytest.mark.parametrize("name", ["transformers", "mlx-lm"])

@@ -48,29 +48,26 @@ def test_memory_meter_per_device():
 
 def test_the_cpu_meter_catches_a_peak_between_the_ends_of_a_request():
     """RSS has no resettable peak: a spike that is gone by the end of the request is only seen
-    because the decode loop samples the meter at every token."""
+    because the runtime reads the meter after every step."""
     import numpy as np
 
     from engines.base import RequestStats, SamplingParams
-    from engines.fake import EOS, ByteTokenizer
-    from engines.generation import stream_steps
+    from engines.fake import FakeEngine
 
     spike = 256 * 2**20
 
-    def tokens():
-        yield 65
-        buffer = np.ones(spike // 8)  # touched, so resident; freed before the request ends
-        yield 66
-        del buffer
-        yield EOS
+    class Spiking(FakeEngine):
+        def before_token(self, request_no, index):
+            if index == 1:  # touched, so resident; freed before the request ends
+                self.buffer = np.ones(spike // 8)
+            elif index == 2:
+                del self.buffer
 
-    meter = RSSMeter()
-    meter.reset()
-    baseline = meter.peak_bytes()
-    events = list(stream_steps(
-        tokens(), tokenizer=ByteTokenizer(), params=SamplingParams(max_tokens=8),
-        prompt_tokens=1, engine="t", device="cpu", meter=meter, kv_cache_bytes=lambda: 0))
+    engine = Spiking(reply="abcd")
+    engine.meter = RSSMeter()
+    baseline = RSSMeter().peak_bytes()
+    events = list(engine.generate([1, 2], SamplingParams(max_tokens=8)))
     stats = events[-1]
-    assert isinstance(stats, RequestStats)
+    assert isinstance(stats, RequestStats) and stats.completion_tokens == 5
     assert RSSMeter().peak_bytes() < baseline + spike // 2  # the buffer really went away
     assert stats.peak_memory_bytes >= baseline + spike * 0.9

@@ -9,9 +9,7 @@ import torch
 from engines import device as dev
 from engines.dummy import SHAPES, write_dummy_model
 from engines.torch_engine.config import ModelArgs
-from engines.torch_engine.engine import make_runner
 from engines.torch_engine.loader import random_model
-from engines.torch_engine.runner import EagerRunner, StaticRunner
 
 
 def test_configure_mps_caps_memory_and_states_the_fallback(monkeypatch, caplog):
@@ -37,19 +35,6 @@ def test_mps_meter_samples_the_allocator(monkeypatch):
     meter.sample()
     meter.sample()
     assert meter.peak_bytes() == 300
-
-
-def test_runner_choice(tiny_dirs):
-    from engines.torch_engine.loader import load_model
-
-    model = load_model(tiny_dirs["llama"][0], torch.float32, "cpu")
-    model.setup_cache(32)
-    assert isinstance(make_runner(model, "cpu", "auto"), EagerRunner)
-    assert isinstance(make_runner(model, "mps", "auto"), EagerRunner)  # MPS stays eager
-    assert isinstance(make_runner(model, "cpu", "off"), EagerRunner)
-    assert isinstance(make_runner(model, "cpu", "on"), StaticRunner)
-    with pytest.raises(ValueError, match="compile"):
-        make_runner(model, "cpu", "sometimes")
 
 
 def test_onednn_linears_only_for_the_eager_cpu_path(monkeypatch):

@@ -6,10 +6,13 @@ fixes the draws.
 The draws are seeded, so each check is deterministic; the tolerance is 5 standard errors per
 token, and a token the rule removes must never be drawn at all."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from engines.base import SamplingParams
+from engines.runtime.plan import RowSampling, ScheduledSeq
 
 V = 24
 N = 20_000
@@ -61,30 +64,48 @@ def check_distribution(draws: np.ndarray, expected: np.ndarray) -> None:
         f"token {worst}: drawn {freq[worst]:.4f}, expected {expected[worst]:.4f}")
 
 
-def torch_draws(params: SamplingParams) -> np.ndarray:
+def rows_of(params: SamplingParams, n: int, vary: str = "draws") -> list:
+    """n rows due a token: one sequence's first n draws, or the first draw of n seeds."""
+    sampling = RowSampling.of(params, params.seed if params.seed is not None else 0)
+    return [ScheduledSeq(i, (0,), 0, (), True,
+                         sampling if vary == "draws" else replace(sampling, seed=sampling.seed + i),
+                         i if vary == "draws" else 0)
+            for i in range(n)]
+
+
+def torch_draws(params: SamplingParams, vary: str = "draws") -> np.ndarray:
+    vary = "draws" if vary == "rows" else vary
     import torch
 
-    from engines.torch_engine.sampling import make_sampler
+    from engines.torch_engine.sampling import sample_rows
 
-    sample = make_sampler(params, "cpu")
-    rows = torch.from_numpy(LOGITS).expand(N, V)
-    picked = sample(rows)
-    assert picked.shape == (N, 1) and picked.dtype == torch.long  # one id per row
-    assert sample(rows[0]).shape == (1,)  # the engine's one row: logits [V] -> id [1]
-    return picked.view(-1).numpy()
+    logits = torch.from_numpy(LOGITS).expand(N, V)
+    picked = sample_rows(logits, rows_of(params, N, vary))
+    assert picked.shape == (N,) and picked.dtype == torch.long  # one id per row
+    return picked.numpy()
 
 
-def mlx_draws(params: SamplingParams) -> np.ndarray:
+def mlx_draws(params: SamplingParams, vary: str = "rows") -> np.ndarray:
+    """vary="rows": one draw over N identical rows (MLX draws each row on its own), which
+    checks the filters quickly; "draws" and "seeds" call the sampler N times, as the engine
+    does, one row at a time (slower: a few of those cases are enough)."""
     mx = pytest.importorskip("mlx.core")
     from engines.mlx_engine.sampling import make_sampler
 
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sample = make_sampler(params)
-    # The MLX engine's sampler is fed log-probabilities, as mlx-lm's generate_step hands them.
-    logits = mx.array(np.broadcast_to(LOGITS, (N, V)))
+    # The MLX engine's sampler is fed log-probabilities, as mlx-lm's BatchGenerator hands them.
+    logits = mx.array(LOGITS[None, :])
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return np.array(sample(logprobs)).reshape(-1).astype(np.int64)
+    if vary == "rows":
+        sample = make_sampler(rows_of(params, 1)[0].sampling)
+        return np.array(sample(mx.broadcast_to(logprobs, (N, V)))).reshape(-1).astype(np.int64)
+    if vary == "draws":
+        sample = make_sampler(rows_of(params, 1)[0].sampling)
+        picked = [sample(logprobs) for _ in range(N)]
+    else:
+        picked = [make_sampler(r.sampling, r.draws)(logprobs) for r in rows_of(params, N, vary)]
+    out = mx.concatenate(picked)
+    mx.eval(out)
+    return np.array(out).reshape(-1).astype(np.int64)
 
 
 DRAWS = {"torch": torch_draws, "mlx": mlx_draws}
@@ -93,8 +114,20 @@ DRAWS = {"torch": torch_draws, "mlx": mlx_draws}
 @pytest.mark.parametrize("engine", DRAWS)
 @pytest.mark.parametrize("temperature, top_k, top_p", CASES)
 def test_draws_follow_the_reference_distribution(engine, temperature, top_k, top_p):
+    """Torch: one sequence's successive draws; MLX: many rows at once (see mlx_draws)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234)
     check_distribution(DRAWS[engine](params), reference(LOGITS, temperature, top_k, top_p))
+
+
+@pytest.mark.parametrize("engine", DRAWS)
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 8, 0.8)])
+@pytest.mark.parametrize("vary", ["draws", "seeds"])
+def test_successive_draws_and_many_seeds_follow_the_reference_distribution(
+        engine, temperature, top_k, top_p, vary):
+    """The engines' real use: a sequence's draws one after another, and the first draw of
+    many seeds (requests)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=99)
+    check_distribution(DRAWS[engine](params, vary), reference(LOGITS, temperature, top_k, top_p))
 
 
 def test_the_reference_is_not_trivial():
@@ -131,18 +164,37 @@ def test_greedy_is_the_argmax(engine):
     if engine == "torch":
         import torch
 
-        from engines.torch_engine.sampling import make_sampler
+        from engines.torch_engine.sampling import sample_rows
 
         rows = torch.randn(50, 1000, generator=torch.Generator().manual_seed(0))
-        greedy = make_sampler(params, "cpu")
-        assert torch.equal(greedy(rows), rows.argmax(-1, keepdim=True))
-        assert greedy(rows[7]).shape == (1,) and greedy(rows[7]).item() == rows[7].argmax()
+        assert torch.equal(sample_rows(rows, rows_of(params, 50)), rows.argmax(-1))
     else:
         mx = pytest.importorskip("mlx.core")
         from engines.mlx_engine.sampling import make_sampler
 
         rows = np.random.default_rng(0).normal(size=(50, 1000)).astype(np.float32)
-        assert np.array_equal(np.array(make_sampler(params)(mx.array(rows))), rows.argmax(-1))
+        greedy = make_sampler(rows_of(params, 1)[0].sampling)
+        assert np.array_equal(np.array(greedy(mx.array(rows))), rows.argmax(-1))
+
+
+def test_a_batch_mixing_greedy_and_sampled_rows_gives_each_its_own():
+    """Each row by its own settings: a greedy row is the argmax, a sampled row draws what it
+    draws alone, whatever else is in the batch."""
+    import torch
+
+    from engines.torch_engine.sampling import sample_rows
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+                SamplingParams(temperature=0.8, top_k=5, seed=4),
+                SamplingParams(temperature=1.2, top_p=0.7, seed=5),
+                SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=6)]
+    rows = [replace(rows_of(p, 1)[0], seq_id=i, draws=i) for i, p in enumerate(settings)]
+    together = sample_rows(logits, rows)
+    alone = [sample_rows(logits[i : i + 1], [r]).item() for i, r in enumerate(rows)]
+    assert together.tolist() == alone
+    assert alone[0] == logits[0].argmax() and alone[4] == logits[4].argmax()
+    assert alone[2] in torch.topk(logits[2], 5).indices.tolist()
 
 
 @pytest.mark.parametrize("engine", DRAWS)

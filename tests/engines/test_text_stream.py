@@ -1,12 +1,14 @@
 """Incremental detokenization and stop strings, on a real byte-level BPE tokenizer."""
 
+import time
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engines.base import RequestStats, SamplingParams, Step
 from engines.fake import EOS, ByteTokenizer
-from engines.generation import MemoryMeter, stream_steps
+from engines.runtime.output import RequestOutput
 from engines.tokenizer import ChatTokenizer, IncrementalDetokenizer, StopMatcher
 
 TEXTS = ["Hello 世界 🙂 naïve café", "🇫🇷 drapeau et 東京タワー", "plain ascii only", "é" * 9]
@@ -75,12 +77,16 @@ def test_text_no_stop_could_complete_is_released_at_once():
     assert StopMatcher(["abcd"]).feed("xxab") == "xx"
 
 
-def _run(reply_ids, params, eos=frozenset({EOS})):
-    tok = ByteTokenizer()
-    events = list(
-        stream_steps(iter(reply_ids), tokenizer=tok, params=params, prompt_tokens=3, engine="t",
-                     device="cpu", meter=MemoryMeter(), kv_cache_bytes=lambda: 7)
-    )
+def _run(reply_ids, params):
+    out = RequestOutput(ByteTokenizer(), params, prompt_tokens=3, engine="t", device="cpu",
+                        arrival=time.perf_counter())
+    out.kv_cache_bytes = 7
+    events = []
+    for token in reply_ids:
+        events += out.add(token)
+        if out.done:
+            break
+    events += out.close()
     steps = [e for e in events if isinstance(e, Step)]
     assert isinstance(events[-1], RequestStats)
     assert all(s.finish_reason is None for s in steps[:-1]) and steps[-1].finish_reason

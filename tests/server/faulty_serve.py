@@ -14,14 +14,8 @@ from server.settings import Settings
 
 
 class ReportingEngine(FakeEngine):
-    def _token_ids(self, prompt_ids, params):
-        made = 0
-        try:
-            for token in super()._token_ids(prompt_ids, params):
-                made += 1
-                yield token
-        finally:
-            print("TOKENS", made, flush=True)
+    def ended(self, request_no, tokens):
+        print(f"TOKENS {tokens}", flush=True)
 
 
 class SlowFactory:

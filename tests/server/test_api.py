@@ -75,7 +75,9 @@ def test_metrics_carry_the_engines_own_figures(make_client):
         body = client.post("/v1/chat/completions", json=CHAT).json()
     m, usage = body["metrics"], body["usage"]
     assert m["peak_memory_bytes"] == 123_456_789
-    assert m["kv_cache_bytes"] == 64 * usage["total_tokens"]  # the fake caches every token
+    # The request's share of the pool: the 16-token blocks holding every token it fed (all but
+    # the last sampled one).
+    assert m["kv_cache_bytes"] == 64 * 16 * -(-(usage["total_tokens"] - 1) // 16)
     # A token every 10 ms: the decode rate is at most 100 tokens/s and not far below it.
     assert 30 < m["decode_tokens_per_s"] <= 101
     assert m["ttft_ms"] >= 9  # the first token took one delay too

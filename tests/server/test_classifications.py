@@ -126,9 +126,10 @@ def test_classify_model_cannot_chat_and_generation_model_needs_labels(client):
                         param="labels")
 
 
-def test_classification_queues_behind_generation_on_the_same_worker(make_client):
-    """A classification sent while a slow generation runs waits for it: the engine's trace
-    never interleaves the two."""
+def test_a_classification_runs_whole_between_two_steps_of_a_running_generation(make_client):
+    """A classification sent while a slow generation runs does not wait for the whole
+    generation: it runs at the next step boundary, whole (its scoring is never interleaved with
+    decode steps), and the generation goes on after it."""
     from tests.server.conftest import FakeFactory
 
     factory = FakeFactory(token_delay_s=0.01)
@@ -150,5 +151,6 @@ def test_classification_queues_behind_generation_on_the_same_worker(make_client)
         t.join()
         assert resp.status_code == 200 and done["chat"].status_code == 200
         kinds = [token == "score" for _, token in engine.trace]
-        first_score = kinds.index(True)
-        assert not any(kinds[:first_score]) and all(kinds[first_score:])
+        first_score, last_score = kinds.index(True), len(kinds) - 1 - kinds[::-1].index(True)
+        assert all(kinds[first_score : last_score + 1])  # one contiguous block
+        assert not kinds[0] and not kinds[-1]  # the generation had begun and went on after

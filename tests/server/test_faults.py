@@ -62,12 +62,9 @@ def test_broken_model_files_are_a_clear_error_and_the_server_stays_healthy(tmp_p
 class FailsOnceEngine(FakeEngine):
     """The first generation fails after a few tokens; later ones work."""
 
-    def _token_ids(self, prompt_ids, params):
-        tokens = super()._token_ids(prompt_ids, params)
-        for i, token in enumerate(tokens):
-            if len(self.calls) == 1 and i == 3:
-                raise RuntimeError("the accelerator caught fire")
-            yield token
+    def before_token(self, request_no, index):
+        if request_no == 0 and index == 3:
+            raise RuntimeError("the accelerator caught fire")
 
 
 def test_an_engine_failure_mid_stream_then_the_next_request_works(make_client):

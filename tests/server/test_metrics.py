@@ -45,7 +45,11 @@ def test_requests_tokens_and_speed_are_counted(client):
     assert value(m, "duet_decode_tokens_per_second_count", **tiny) == 2
     assert value(m, "duet_engine_queue_depth", **tiny) == 0
     assert value(m, "duet_process_resident_memory_bytes") > 10_000_000
+    assert value(m, "duet_queue_seconds_count", **tiny) == 2
     assert ("duet_engine_kv_cache_bytes", tuple(sorted(tiny.items()))) in m
+    assert ("duet_generation_kv_cache_bytes", tuple(sorted(tiny.items()))) in m
+    assert value(m, "duet_engine_kv_cache_used_bytes", **tiny) == 0  # nothing running now
+    assert ("duet_engine_batch_size", tuple(sorted(tiny.items()))) in m
 
 
 def test_each_app_has_its_own_registry(make_client):

@@ -46,9 +46,12 @@ def test_concurrent_requests_run_in_order_without_mixing(models_file):
 
 
 class ExplodingEngine(FakeEngine):
-    def _token_ids(self, prompt_ids, params):
-        yield from self.tokenizer.encode("ok ")
-        raise RuntimeError("the accelerator caught fire")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, reply="ok ", **kwargs)
+
+    def before_token(self, request_no, index):
+        if index == 3:
+            raise RuntimeError("the accelerator caught fire")
 
 
 class ExplodingFactory(FakeFactory):

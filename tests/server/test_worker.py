@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engines.base import Cancelled, Step
+from engines.base import Cancelled, ContextLengthExceeded, SamplingParams, Step
+from engines.fake import FakeEngine
 from server.errors import APIError
 from server.worker import EngineWorker, WorkerStatus
 
@@ -103,30 +104,32 @@ async def test_a_timed_out_call_is_a_504_and_its_slot_comes_back():
     worker.close()
 
 
-async def test_streams_give_their_slot_back_finished_failed_or_abandoned():
-    worker = fresh()
-
-    def steps(n, fail=False):
-        def start(engine, should_stop):
-            for i in range(n):
-                if should_stop():
-                    return
-                yield Step(i, str(i))
-            if fail:
+async def test_generations_give_their_slot_back_finished_failed_or_abandoned():
+    class Failing(FakeEngine):
+        def before_token(self, request_no, index):
+            if request_no == 1 and index == 2:
                 raise RuntimeError("mid-stream failure")
-        return start
 
-    assert [e.text async for e in worker.stream(steps(3))] == ["0", "1", "2"]
+    worker = EngineWorker("test", max_queue=0)  # one sequence at a time and no queue
+    await worker.load(lambda: Failing(reply="abc", max_batch=1))
+    params = SamplingParams(max_tokens=50)
+    texts = [e.text async for e in worker.generate([1, 2], params) if isinstance(e, Step)]
+    assert "".join(texts) == "abc"
     assert await settled(worker) == 0
-    with pytest.raises(RuntimeError):
-        async for _ in worker.stream(steps(2, fail=True)):
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        async for _ in worker.generate([1, 2], params):
             pass
     assert await settled(worker) == 0
-    gen = worker.stream(steps(10_000))
-    assert (await gen.__anext__()).text == "0"
+    gen = worker.generate([1, 2], params)
+    assert (await gen.__anext__()).text == "a"
     await gen.aclose()  # the client went away after one token
     assert await settled(worker) == 0
-    assert [e.text async for e in worker.stream(steps(1))] == ["0"]
+    with pytest.raises(ContextLengthExceeded):  # refused by the runtime before any token
+        async for _ in worker.generate([1] * 600, params):
+            pass
+    assert await settled(worker) == 0
+    texts = [e.text async for e in worker.generate([1, 2], params) if isinstance(e, Step)]
+    assert "".join(texts) == "abc"
     worker.close()
 
 

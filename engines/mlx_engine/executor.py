@@ -1,0 +1,60 @@
+"""The MLX engine's step executor: mlx-lm's BatchGenerator, which keeps every sequence's
+batched KV cache, prefills new prompts in chunks of max_prefill_tokens between decode steps,
+and advances the whole batch one token per next().
+
+It takes each prompt whole (chunked_prefill = False) and answers a sequence's first token a
+step or more after it joined; the runtime keeps a token of KV room ahead for it. Stop strings,
+end ids and max_tokens are the runtime's: the generator is told none of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..runtime.plan import StepOutput, StepPlan
+from .sampling import make_sampler
+
+
+class MLXExecutor:
+    chunked_prefill = False
+
+    def __init__(self, model, *, max_batch: int, max_prefill_tokens: int, context_length: int):
+        from mlx_lm.generate import BatchGenerator
+
+        self._gen = BatchGenerator(
+            model, max_tokens=context_length, completion_batch_size=max_batch,
+            prefill_batch_size=max_batch, prefill_step_size=max_prefill_tokens,
+        )
+        self._context = context_length
+        self._uid: dict[int, int] = {}  # seq id -> the generator's uid
+        self._seq: dict[int, int] = {}
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        self.release(plan.released)
+        new = [row for row in plan.prefill if row.seq_id not in self._uid]
+        if new:
+            uids = self._gen.insert(
+                [list(row.tokens) for row in new],
+                max_tokens=[self._context for _ in new],
+                samplers=[make_sampler(row.sampling, row.draws) for row in new],
+            )
+            for row, uid in zip(new, uids):
+                self._uid[row.seq_id], self._seq[uid] = uid, row.seq_id
+        _, generated = self._gen.next()
+        tokens = {}
+        for r in generated:
+            seq_id = self._seq.get(r.uid)
+            if seq_id is not None:
+                tokens[seq_id] = int(r.token)
+                if r.finish_reason is not None:  # the generator dropped it already
+                    del self._uid[seq_id], self._seq[r.uid]
+        return StepOutput(tokens)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        uids = [self._uid.pop(s) for s in seq_ids if s in self._uid]
+        for uid in uids:
+            del self._seq[uid]
+        if uids:
+            self._gen.remove(uids)
+
+    def close(self) -> None:
+        self._gen.close()

@@ -1,0 +1,129 @@
+"""One thread per loaded model. It owns the engine (MLX streams are thread-local; torch is
+happiest that way too) and alternates between the runtime's steps, which advance every running
+generation at once, and exclusive jobs (loading, a classification, a bench run, closing), which
+run whole between two steps in the order they came.
+
+Other threads talk to it only through submit(), add() and close(); events flow back through
+each generation's emit callback, on this thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .runtime import Runtime, Submission
+
+log = logging.getLogger("duet.runtime")
+
+
+class EngineLoop:
+    def __init__(self, name: str, **runtime_options):
+        self.name = name
+        self.engine: Any = None
+        self.runtime: Runtime | None = None
+        self._runtime_options = runtime_options
+        self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._new: deque[Submission] = deque()
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # -- from any thread ----------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the loop's thread between two steps, after the jobs submitted before it."""
+        future: Future = Future()
+        with self._wake:
+            if self._closing:
+                future.set_exception(RuntimeError(f"the {self.name} engine loop is closed"))
+                return future
+            self._jobs.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def attach(self, engine) -> None:
+        """Called on the loop's thread (a job) once the engine exists."""
+        self.engine = engine
+        if hasattr(engine, "executor"):
+            self.runtime = Runtime(engine, **self._runtime_options)
+
+    def add(self, sub: Submission) -> None:
+        """Queue a generation; it joins the running batch at the next step. Errors that it can
+        never get past arrive through sub.emit."""
+        with self._wake:
+            if self._closing:
+                raise RuntimeError(f"the {self.name} engine loop is closed")
+            self._new.append(sub)
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Stop at the next step: running generations end as cancelled, queued jobs are
+        refused, the thread exits. Jobs submitted before (an engine's close) still run."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) generations, read without a lock: a snapshot for status pages."""
+        runtime = self.runtime
+        if runtime is None:
+            return 0, len(self._new)
+        return runtime.running, runtime.waiting + len(self._new)
+
+    # -- the loop's thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._jobs or self._new or self._closing or self._busy()):
+                    self._wake.wait()
+                job = self._jobs.popleft() if self._jobs else None
+                new = list(self._new)
+                self._new.clear()
+                closing = self._closing and not self._jobs and job is None
+            for sub in new:
+                self._admit(sub)
+            if job is not None:
+                self._run_job(*job)
+            if closing:
+                break
+            if self._busy():
+                self._step()
+        if self.runtime is not None:
+            self.runtime.stop_all()
+
+    def _busy(self) -> bool:
+        return self.runtime is not None and self.runtime.has_work
+
+    def _admit(self, sub: Submission) -> None:
+        if self.runtime is None:
+            sub.emit(RuntimeError(f"the {self.name} engine has no generation loop"))
+            return
+        try:
+            self.runtime.add(sub)
+        except Exception as exc:
+            sub.emit(exc)
+
+    def _run_job(self, fn: Callable[[], Any], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            self.runtime.step()
+        except Exception:  # a bug of ours: end every request rather than spin on it
+            log.exception("the %s runtime failed", self.name)
+            self.runtime.stop_all()

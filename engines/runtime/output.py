@@ -1,0 +1,92 @@
+"""One request's output, token by token: detokenized deltas, stop strings, end-of-sequence,
+max_tokens, cancellation, and its statistics. The same for every engine.
+
+Times run from the request's arrival: queue_s until it was first scheduled, ttft_s until its
+first token. Its decode speed is its own tokens over its own decode time, however many other
+sequences shared its steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..base import FinishReason, RequestStats, SamplingParams, Step
+from ..tokenizer import IncrementalDetokenizer, StopMatcher
+
+
+class RequestOutput:
+    def __init__(self, tokenizer, params: SamplingParams, *, prompt_tokens: int, engine: str,
+                 device: str, arrival: float, clock: Callable[[], float] = time.perf_counter):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(params.stop)
+        self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self._max_tokens = params.max_tokens
+        self.prompt_tokens = prompt_tokens
+        self.engine, self.device = engine, device
+        self.clock = clock
+        self.arrival = arrival
+        self.scheduled_at: float | None = None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.n = 0
+        self.last_token = -1
+        self.finish: FinishReason | None = None
+        self.peak_memory_bytes = 0
+        self.kv_cache_bytes = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def add(self, token_id: int) -> list[Step]:
+        """The step's token; [] when it only ended the generation (an end-of-sequence id)."""
+        now = self.clock()
+        self.n += 1
+        if self.first_at is None:
+            self.first_at = now
+        self.last_at = now
+        self.last_token = token_id
+        if token_id in self._eos:
+            self.finish = "stop"
+            return []
+        step = Step(token_id, self._stops.feed(self._detok.add(token_id)))
+        if self._stops.stopped:
+            self.finish = "stop"
+        elif self.n >= self._max_tokens:
+            self.finish = "length"
+        return [step]
+
+    def close(self, reason: FinishReason | None = None) -> list:
+        """The last Step (whatever text was still held back, and the finish reason) and the
+        RequestStats. `reason` ends a generation that had not ended by itself."""
+        finish = self.finish or reason or "length"
+        tail = ""
+        if not self._stops.stopped:
+            tail = self._stops.feed(self._detok.flush())
+            if not self._stops.stopped:
+                tail += self._stops.flush()
+            if self._stops.stopped:
+                finish = "stop"
+        self.finish = finish
+        now = self.clock()
+        first = self.first_at if self.first_at is not None else now
+        last = self.last_at if self.last_at is not None else now
+        scheduled = self.scheduled_at if self.scheduled_at is not None else now
+        ttft = first - self.arrival
+        prefill_s = first - scheduled
+        decode_s = last - first
+        stats = RequestStats(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.n,
+            ttft_s=ttft,
+            prefill_tokens_per_s=self.prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=(self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
+            peak_memory_bytes=self.peak_memory_bytes,
+            kv_cache_bytes=self.kv_cache_bytes,
+            engine=self.engine,
+            device=self.device,
+            finish_reason=finish,
+            total_s=now - self.arrival,
+            queue_s=scheduled - self.arrival,
+        )
+        return [Step(self.last_token, tail, finish), stats]

@@ -1,0 +1,163 @@
+"""A scheduler, an executor and the requests' outputs, advanced one step at a time.
+
+The server's loop (loop.py) drives one on its own thread; a one-off generation (solo.py) drives
+one inline. Everything here runs on the thread that calls step()."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..base import Cancelled, SamplingParams, StopCheck
+from .output import RequestOutput
+from .plan import RowSampling, StepPlan
+from .scheduler import Scheduler, Sequence
+
+log = logging.getLogger("duet.runtime")
+
+Emit = Callable[[object], None]  # Step / RequestStats, or the exception that ended it
+
+
+@dataclass(eq=False)
+class Submission:
+    """A generation handed to the runtime. emit is called on the runtime's thread with each
+    event; the last is a RequestStats or an exception."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Emit
+    should_stop: StopCheck | None = None
+    on_start: Callable[[], None] | None = None  # first scheduled
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class _Live:
+    sub: Submission
+    seq: Sequence
+    out: RequestOutput
+    started: bool = False
+
+
+class Runtime:
+    def __init__(self, engine, *, max_batch: int | None = None,
+                 max_prefill_tokens: int | None = None):
+        self.engine = engine
+        self.executor = engine.executor()
+        self.scheduler = Scheduler(
+            engine.kv_pool,
+            max_batch=max_batch or engine.max_batch,
+            max_prefill_tokens=max_prefill_tokens or engine.max_prefill_tokens,
+            chunked_prefill=self.executor.chunked_prefill,
+        )
+        self._live: dict[int, _Live] = {}
+        self._ids = engine.seq_ids
+        self._meter = getattr(engine, "meter", None)
+        self.last_batch = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def add(self, sub: Submission) -> None:
+        """Queue a generation. Errors a request can never get past (too long for the context or
+        the KV pool) are raised here, before any event."""
+        self.engine.check_fits(len(sub.prompt_ids), sub.params.max_tokens)
+        seed = sub.params.seed if sub.params.seed is not None else random.getrandbits(63)
+        seq = Sequence(next(self._ids), list(sub.prompt_ids), sub.params,
+                       RowSampling.of(sub.params, seed), arrival=sub.arrival)
+        out = RequestOutput(self.engine.tokenizer, sub.params, prompt_tokens=len(sub.prompt_ids),
+                            engine=self.engine.name, device=self.engine.device,
+                            arrival=sub.arrival)
+        self.scheduler.add(seq)
+        self._live[seq.seq_id] = _Live(sub, seq, out)
+
+    def step(self) -> None:
+        """One step: drop what was stopped, run the plan, hand every request its events."""
+        self._stop_requested()
+        plan = self.scheduler.schedule()
+        for row in plan.rows:
+            live = self._live[row.seq_id]
+            if not live.started:
+                live.started = True
+                live.out.scheduled_at = live.seq.first_scheduled
+                if live.sub.on_start is not None:
+                    live.sub.on_start()
+        self.last_batch = len(self.scheduler.running)
+        # An executor that answers late (MLX) still has work while its sequences await tokens.
+        if not plan and not self.scheduler.running:
+            return
+        if self._meter is not None:
+            self._meter.reset()
+        try:
+            output = self.executor.step(plan)
+        except Exception as exc:
+            self._fail(plan, exc)
+            return
+        peak = self._meter.peak_bytes() if self._meter is not None else 0
+        sampled = self.scheduler.update(plan, output)
+        for live in self._live.values():
+            if live.started:
+                live.out.peak_memory_bytes = max(live.out.peak_memory_bytes, peak)
+        for seq, token in sampled:
+            live = self._live[seq.seq_id]
+            for event in live.out.add(token):
+                live.sub.emit(event)
+            if live.out.done:
+                self._finish(live)
+
+    def stop_all(self) -> None:
+        """End every request now, as cancelled (shutdown, or a one-off caller that left)."""
+        for live in list(self._live.values()):
+            self._finish(live, "cancelled")
+        released = self.scheduler.take_released()
+        if released:
+            self.executor.release(released)
+
+    def _stop_requested(self) -> None:
+        for live in list(self._live.values()):
+            stop = live.sub.should_stop
+            if stop is not None and stop():
+                self._finish(live, "cancelled")
+
+    def _finish(self, live: _Live, reason=None) -> None:
+        seq = live.seq
+        live.out.kv_cache_bytes = (seq.peak_blocks * self.scheduler.pool.block_size
+                                   * self.scheduler.pool.bytes_per_token)
+        self.scheduler.remove(seq)
+        del self._live[seq.seq_id]
+        if not live.started and reason == "cancelled":
+            live.sub.emit(Cancelled())  # never ran: nothing to report
+            return
+        for event in live.out.close(reason):
+            live.sub.emit(event)
+
+    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+        """A step that raised fails the requests it carried; the others go on."""
+        log.error("a step of %d sequences failed: %s", len(plan.rows), exc)
+        ids = [row.seq_id for row in plan.rows]
+        try:
+            self.executor.release(ids)
+        except Exception:
+            log.exception("releasing the failed step's sequences failed too")
+        for seq_id in ids:
+            live = self._live.pop(seq_id, None)
+            if live is not None:
+                self.scheduler.remove(live.seq, tell_executor=False)
+                live.sub.emit(exc)
+
+
+def sequence_ids() -> itertools.count:
+    return itertools.count()

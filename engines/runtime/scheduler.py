@@ -1,0 +1,180 @@
+"""Which sequences run each step: FIFO admission under a batch and a KV budget, chunked
+prefill under a per-step token budget, and preemption when the pool runs dry.
+
+Pure bookkeeping over plain objects, so it is tested with a fake executor and no model.
+
+Rules:
+- Arrival order is admission order. A waiting sequence that does not fit (batch full, too few
+  free KV blocks) holds back every later one: nothing jumps the queue, so nothing starves.
+- A running sequence is fed what it has not been fed: the rest of its prompt (in chunks of at
+  most the step's prefill budget, shared by all prefilling sequences, oldest first) or its last
+  sampled token. Decode rows cost no budget, so running streams keep flowing while a long
+  prompt is prefilled a chunk per step.
+- A sequence holds KV blocks for every token it has been fed. Its prompt's blocks are taken
+  at admission; decoding takes one more block every block_size tokens. When none is free, the
+  newest running sequence is preempted: its blocks return to the pool and it goes back to the
+  head of the queue, to be prefilled again (prompt and generated tokens) when blocks free up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..base import SamplingParams
+from .kv import BlockPool
+from .plan import RowSampling, ScheduledSeq, StepOutput, StepPlan
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    sampling: RowSampling
+    arrival: float = field(default_factory=time.perf_counter)
+    generated: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # how many of tokens() the executor has been fed (their KV exists)
+    first_scheduled: float | None = None
+    peak_blocks: int = 0
+    preemptions: int = 0
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
+                 chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter):
+        if max_batch < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch and max_prefill_tokens must be at least 1")
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
+        # An executor that prefills on its own terms may compute a sequence's next token before
+        # it reports the last one: keep a token of room ahead for it.
+        self._lag = 0 if chunked_prefill else 1
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._released: list[int] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._released)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; KVPoolTooSmall if it could never fit."""
+        self.pool.check_fits(len(seq.prompt) + seq.params.max_tokens + self._lag)
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence, *, tell_executor: bool = True) -> None:
+        """A sequence leaves (finished, aborted, failed): its blocks go back at once, and the
+        executor hears of it at the next step (unless it already dropped it)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            if tell_executor:
+                self._released.append(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.blocks)
+
+    def take_released(self) -> list[int]:
+        """The sequences gone since the last plan, for an executor told outside a step."""
+        released, self._released = self._released, []
+        return released
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_prefill_tokens
+        rows: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            pending = seq.length - seq.computed
+            n = 1 if pending == 1 else self._chunk(pending, budget, bool(rows))
+            if not self._make_room(seq, seq.computed + n + self._lag):
+                continue  # seq itself was preempted; the list shifted under i
+            if n > 0:
+                rows.append((seq, n))
+                if pending > 1:
+                    budget -= n
+            i += 1
+        self._admit(rows, budget)
+        prefill, decode = [], []
+        for seq, n in rows:
+            row = self._row(seq, n)
+            (decode if n == 1 and seq.computed > 0 else prefill).append(row)
+        return StepPlan(tuple(prefill), tuple(decode), tuple(self.take_released()))
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, int]]:
+        """Record what the step did; returns (sequence, token) for every token sampled."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for row in plan.rows:
+            seq = by_id.get(row.seq_id)
+            if seq is not None:
+                seq.computed = max(seq.computed, row.end)
+        sampled = []
+        for seq_id, token in output.tokens.items():
+            seq = by_id.get(seq_id)
+            if seq is not None:
+                seq.generated.append(token)
+                sampled.append((seq, token))
+        return sampled
+
+    def _chunk(self, pending: int, budget: int, others: bool) -> int:
+        if self.chunked_prefill:
+            return max(0, min(pending, budget))
+        # Whole prompts only: one may exceed the budget when it is the step's first.
+        return pending if pending <= budget or not others else 0
+
+    def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            pending = seq.length
+            n = 1 if pending == 1 else self._chunk(pending, budget, bool(rows))
+            # The whole prompt's blocks are taken now, so its later chunks never stall.
+            if n == 0 or not self.pool.grow(seq.blocks, pending + self._lag):
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.peak_blocks = max(seq.peak_blocks, len(seq.blocks))
+            if seq.first_scheduled is None:
+                seq.first_scheduled = self.clock()
+            rows.append((seq, n))
+            if pending > 1:
+                budget -= n
+
+    def _make_room(self, seq: Sequence, tokens: int) -> bool:
+        """Grow seq's blocks to cover tokens, preempting the newest running sequences while the
+        pool is short. False when seq itself had to go."""
+        while not self.pool.grow(seq.blocks, tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.peak_blocks = max(seq.peak_blocks, len(seq.blocks))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._released.append(seq.seq_id)
+        self.pool.release(seq.blocks)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _row(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.computed
+        tokens = seq.tokens()[start : start + n]
+        return ScheduledSeq(
+            seq_id=seq.seq_id, tokens=tuple(tokens), start=start, blocks=tuple(seq.blocks),
+            sample=start + n == seq.length, sampling=seq.sampling, draws=len(seq.generated),
+        )

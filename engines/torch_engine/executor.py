@@ -1,0 +1,47 @@
+"""The torch engine's step executor: a step's prefill chunks and decode rows through the model
+over the paged KV pool, then one sampled token per row that is due one.
+
+Decode rows (one token each) go through one forward; prefill chunks through another, right-
+padded to the longest. Every row's sampling settings travel with it, so the batch is sampled
+in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..runtime.plan import ScheduledSeq, StepOutput, StepPlan
+from .paged import PagedKV, build_batch
+from .sampling import sample_rows
+
+
+class TorchExecutor:
+    chunked_prefill = True
+
+    def __init__(self, model, kv: PagedKV, device: str):
+        self.model, self.kv, self.device = model, kv, device
+        self.window = model.args.sliding_window
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        with torch.inference_mode():
+            logits, due = [], []
+            for rows in (plan.prefill, plan.decode):
+                if rows:
+                    out = self._forward(rows)
+                    keep = [i for i, r in enumerate(rows) if r.sample]
+                    if keep:
+                        logits.append(out if len(keep) == len(rows) else out[keep])
+                        due += [rows[i] for i in keep]
+            if not due:
+                return StepOutput({})
+            tokens = sample_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
+            # The step's one host sync: the ids go out to the streams.
+            return StepOutput(dict(zip((r.seq_id for r in due), tokens.tolist())))
+
+    def _forward(self, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
+        batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
+        return self.model.forward_paged(batch, self.kv)
+
+    def release(self, seq_ids) -> None:
+        pass  # a row carries all its state: nothing is kept between steps

@@ -1,0 +1,153 @@
+"""Continuous batching on the torch engine: every request of a batch gets the tokens it gets
+alone (greedy, float32), whatever joins or leaves around it, however its prompt is chunked;
+seeded sampling gives a row the same draws alone and in a batch."""
+
+import pytest
+
+from engines.base import RequestStats, SamplingParams, Step
+from engines.runtime.runtime import Runtime, Submission
+from engines.torch_engine import TorchEngine
+from tests.tiny_models import FAMILIES
+
+PROMPTS = [
+    [5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200],
+    [9],
+    [17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39,
+     40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53],
+    [100, 101, 102, 103, 104],
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79],
+]
+
+
+def engine_for(tiny_dirs, family, **options):
+    return TorchEngine(tiny_dirs[family][0], context_length=96, dtype="float32", device="cpu",
+                       **options)
+
+
+def alone(engine, prompt, params):
+    return [e.token_id for e in engine.generate(prompt, params) if isinstance(e, Step)][:-1]
+
+
+def run_together(runtime, jobs, join_at=None):
+    """jobs: (prompt, params). join_at[i]: the step at which job i arrives (default 0).
+    Returns each job's token ids and stats."""
+    join_at = join_at or [0] * len(jobs)
+    got = {i: [] for i in range(len(jobs))}
+    stats = {}
+
+    def emit_for(i):
+        def emit(event):
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, RequestStats):
+                stats[i] = event
+            elif event.finish_reason is None:
+                got[i].append(event.token_id)
+        return emit
+
+    step = 0
+    while len(stats) < len(jobs):
+        for i, (prompt, params) in enumerate(jobs):
+            if join_at[i] == step:
+                runtime.add(Submission(list(prompt), params, emit_for(i)))
+        runtime.step()
+        step += 1
+        assert step < 1000
+    return [got[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]
+
+
+GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 5, 11, 7)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_of_mixed_prompts_gives_each_its_solo_tokens(tiny_dirs, family):
+    engine = engine_for(tiny_dirs, family)
+    expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    # Arrivals spread over steps: requests join a running batch and leave it mid-way.
+    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=64)
+    got, stats = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+    assert got == expected
+    assert [s.completion_tokens for s in stats] == [g.max_tokens for g in GREEDY]
+    assert engine.kv_pool.used_blocks == 0  # every block back in the pool
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_dirs):
+    engine = engine_for(tiny_dirs, "mistral_window")
+    expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    runtime = Runtime(engine, max_batch=5, max_prefill_tokens=6)  # prompts cut in 6-token chunks
+    got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 1, 1, 4, 6])
+    assert got == expected
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
+    engine = engine_for(tiny_dirs, "llama")
+    params = [SamplingParams(max_tokens=12, temperature=t, top_k=k, top_p=p, seed=s,
+                             ignore_eos=True)
+              for t, k, p, s in [(1.0, 0, 1.0, 1), (0.8, 20, 1.0, 2), (1.3, 0, 0.9, 3),
+                                 (0.0, 0, 1.0, None), (1.0, 50, 0.8, 4)]]
+    expected = [alone(engine, p, s) for p, s in zip(PROMPTS, params)]
+    runtime = Runtime(engine, max_batch=5, max_prefill_tokens=16)
+    got, _ = run_together(runtime, list(zip(PROMPTS, params)), join_at=[0, 2, 0, 1, 5])
+    assert got == expected
+    assert alone(engine, PROMPTS[0], params[0]) != alone(
+        engine, PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=99,
+                                           ignore_eos=True))
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_still_gives_solo_tokens(tiny_dirs):
+    """Three requests that need 4 blocks each share a 9-block pool: the newest is preempted
+    when the others grow, recomputed later, and still gets its own tokens."""
+    engine = engine_for(tiny_dirs, "llama", kv_cache_memory=None)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    jobs = [(PROMPTS[i], params) for i in (0, 3, 4)]
+    expected = [alone(engine, p, params) for p, _ in jobs]
+    from engines.runtime.kv import BlockPool
+
+    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    seen = []
+    original = runtime.scheduler.schedule
+
+    def schedule():
+        plan = original()
+        seen.append((engine.kv_pool.used_blocks, len(plan.rows), plan.released))
+        return plan
+
+    preempted = []
+    preempt = runtime.scheduler._preempt
+    runtime.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    runtime.scheduler.schedule = schedule
+    got, stats = run_together(runtime, jobs)
+    assert got == expected
+    assert max(used for used, _, _ in seen) <= 9
+    assert preempted  # the pool ran dry at least once
+    assert stats[2].queue_s >= 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_mlx_engine_batches_to_the_same_tokens(tiny_dirs, family):
+    """On mlx-lm's BatchGenerator: requests joining and leaving, prompts of mixed lengths."""
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs[family][0], context_length=96, dtype="float32")
+    expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=8)
+    got, stats = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+    assert got == expected
+    assert [s.completion_tokens for s in stats] == [g.max_tokens for g in GREEDY]
+    assert engine.kv_pool.used_blocks == 0
+
+
+def test_mlx_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
+    params = [SamplingParams(max_tokens=10, temperature=t, top_k=k, top_p=p, seed=s,
+                             ignore_eos=True)
+              for t, k, p, s in [(1.0, 0, 1.0, 1), (0.8, 20, 1.0, 2), (1.3, 0, 0.9, 3)]]
+    expected = [alone(engine, p, s) for p, s in zip(PROMPTS, params)]
+    got, _ = run_together(Runtime(engine, max_batch=3), list(zip(PROMPTS, params)),
+                          join_at=[0, 1, 0])
+    assert got == expected

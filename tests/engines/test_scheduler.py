@@ -1,0 +1,128 @@
+"""The scheduler on its own, with a fake executor: FIFO admission without starvation, joining
+and leaving at any step, the batch and KV limits, chunked prefill's budget, preemption."""
+
+import pytest
+
+from engines.base import SamplingParams
+from engines.runtime.kv import BlockPool, KVPoolTooSmall
+from engines.runtime.plan import RowSampling, StepOutput
+from engines.runtime.scheduler import Scheduler, Sequence
+
+
+def seq(i, prompt_len, max_tokens=8):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Sequence(i, list(range(1, prompt_len + 1)), params, RowSampling.of(params, 0))
+
+
+def run_step(sched: Scheduler, finish_after: dict | None = None):
+    """One step with an executor that samples token 7 for every row due one; sequences leave
+    once they have finish_after[seq_id] tokens (default: their max_tokens)."""
+    plan = sched.schedule()
+    out = StepOutput({r.seq_id: 7 for r in plan.rows if r.sample})
+    for s, _ in sched.update(plan, out):
+        limit = (finish_after or {}).get(s.seq_id, s.params.max_tokens)
+        if len(s.generated) >= limit:
+            sched.remove(s)
+    return plan
+
+
+def test_admission_is_first_come_first_served_and_bounded_by_the_batch():
+    sched = Scheduler(BlockPool(100, 16), max_batch=2, max_prefill_tokens=1000)
+    for i in range(4):
+        sched.add(seq(i, 5, max_tokens=3))
+    admitted = []
+    while sched.has_work:
+        plan = run_step(sched)
+        assert len(plan.rows) <= 2
+        admitted += [r.seq_id for r in plan.prefill]
+    assert admitted == [0, 1, 2, 3]
+
+
+def test_a_big_request_at_the_head_is_not_overtaken_by_small_ones():
+    """No starvation: a waiting request that does not fit yet holds back later ones, which
+    would otherwise keep taking the blocks it waits for."""
+    pool = BlockPool(10, 16)
+    sched = Scheduler(pool, max_batch=8, max_prefill_tokens=1000)
+    sched.add(seq(0, 100, max_tokens=40))  # 7 blocks for its prompt
+    run_step(sched)
+    sched.add(seq(1, 60, max_tokens=4))  # 4 blocks: does not fit beside seq 0
+    sched.add(seq(2, 5, max_tokens=4))  # would fit, but arrived later
+    order = []
+    while sched.has_work:
+        order += [r.seq_id for r in run_step(sched).prefill]
+    assert order == [1, 2]
+
+
+def test_requests_join_a_running_batch_at_the_next_step_and_leave_it_at_once():
+    sched = Scheduler(BlockPool(100, 16), max_batch=8, max_prefill_tokens=1000)
+    sched.add(seq(0, 5, max_tokens=10))
+    run_step(sched)
+    run_step(sched)
+    sched.add(seq(1, 5, max_tokens=2))
+    plan = run_step(sched)
+    assert [r.seq_id for r in plan.decode] == [0] and [r.seq_id for r in plan.prefill] == [1]
+    run_step(sched)  # seq 1's second token: it leaves
+    plan = sched.schedule()
+    assert [r.seq_id for r in plan.rows] == [0] and plan.released == (1,)
+
+
+def test_an_aborted_sequence_frees_its_blocks_at_once_and_its_row_at_the_next_step():
+    pool = BlockPool(4, 16)
+    sched = Scheduler(pool, max_batch=8, max_prefill_tokens=1000)
+    a, b = seq(0, 40), seq(1, 40)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert [s.seq_id for s in sched.running] == [0] and pool.free_blocks == 1  # b waits
+    sched.remove(a)  # the client left
+    assert pool.free_blocks == 4
+    plan = sched.schedule()
+    assert plan.released == (0,) and [r.seq_id for r in plan.prefill] == [1]
+
+
+def test_chunked_prefill_spends_the_budget_oldest_first_and_decode_rows_cost_nothing():
+    sched = Scheduler(BlockPool(100, 16), max_batch=8, max_prefill_tokens=10)
+    sched.add(seq(0, 3, max_tokens=50))
+    run_step(sched)
+    sched.add(seq(1, 25))
+    sched.add(seq(2, 7))
+    chunks = []
+    for _ in range(4):
+        plan = run_step(sched)
+        assert [r.seq_id for r in plan.decode][:1] == [0]  # the running stream never waits
+        assert sum(len(r.tokens) for r in plan.prefill) <= 10
+        chunks.append([(r.seq_id, r.start, len(r.tokens), r.sample) for r in plan.prefill])
+    assert chunks[0] == [(1, 0, 10, False)]
+    assert chunks[1] == [(1, 10, 10, False)]
+    assert chunks[2] == [(1, 20, 5, True), (2, 0, 5, False)]
+    assert chunks[3] == [(2, 5, 2, True)]
+
+
+def test_the_pool_is_never_exceeded_and_preemption_requeues_the_newest_first():
+    pool = BlockPool(6, 4)
+    sched = Scheduler(pool, max_batch=8, max_prefill_tokens=1000)
+    for i in range(3):
+        sched.add(seq(i, 4, max_tokens=12))  # each grows to 16 tokens: 4 blocks
+    seen_preempted = []
+    original = sched._preempt
+
+    def preempt(s):
+        seen_preempted.append((s.seq_id, [r.seq_id for r in sched.running]))
+        original(s)
+
+    sched._preempt = preempt
+    steps = 0
+    while sched.has_work:
+        run_step(sched)
+        assert pool.used_blocks <= 6
+        steps += 1
+        assert steps < 500
+    assert seen_preempted and all(v == running[-1] for v, running in seen_preempted)
+    assert pool.free_blocks == 6
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_the_limit():
+    sched = Scheduler(BlockPool(4, 16), max_batch=8, max_prefill_tokens=1000)
+    with pytest.raises(KVPoolTooSmall, match="64 tokens.*--kv-cache-memory"):
+        sched.add(seq(0, 60, max_tokens=10))
+    sched.add(seq(1, 54, max_tokens=10))  # exactly the pool: it fits
