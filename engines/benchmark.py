@@ -147,6 +147,10 @@ class HFGenerate:
         peak = torch.cuda.max_memory_allocated() if self.device.startswith("cuda") else _rss()
         return Measurement(ttft, len(prompt) / ttft, (new_tokens - 1) / max(total - ttft, 1e-9), peak)
 
+    def run_batch(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Seconds for one generate() over the batch (equal-length prompts), prefill included."""
+        return self._generate(self.torch.tensor(prompts, device=self.device), new_tokens)
+
     def teardown(self) -> None:
         self.model = None
         _free_torch()
@@ -190,6 +194,21 @@ class MLXLMGenerate:
         ttft = first - start
         return Measurement(ttft, len(prompt) / ttft, (new_tokens - 1) / (end - first),
                            int(mx.get_peak_memory()))
+
+    def run_batch(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Seconds for mlx-lm's BatchGenerator to give every prompt new_tokens, prefill
+        included."""
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(self.model, max_tokens=new_tokens,
+                             completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+        start = time.perf_counter()
+        gen.insert(prompts, max_tokens=[new_tokens] * len(prompts))
+        left = len(prompts)
+        while left:
+            left -= sum(r.finish_reason is not None for r in gen.next_generated())
+        gen.close()
+        return time.perf_counter() - start
 
     def teardown(self) -> None:
         self.model = None

@@ -86,6 +86,10 @@ class GenerationFields(BaseModel):
     engine: EngineChoice | None = Field(
         None, description="duet extension: the engine that serves this request"
     )
+    ignore_eos: bool = Field(
+        False, description="duet extension (as vLLM's): keep generating past end-of-sequence "
+        "tokens, to max_tokens (benchmarks)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -136,6 +140,7 @@ class GenerationFields(BaseModel):
             top_k=self.top_k,
             seed=None if self.seed is None else self.seed % 2**64,
             stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
         )
 
 

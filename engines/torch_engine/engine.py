@@ -37,7 +37,7 @@ from .paged import PagedKV
 log = logging.getLogger("duet.engines.torch")
 
 
-COMPILE_MODES = ("auto", "on", "off")
+COMPILE_MODES = ("auto", "on", "off")  # auto/on: CUDA graphs on CUDA
 
 
 class TorchEngine(GenerationEngine):
@@ -79,6 +79,7 @@ class TorchEngine(GenerationEngine):
         self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, args.num_kv_heads,
                           args.head_dim, torch_dtype(self.dtype), self.device)
         self.init_runtime(pool, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+        self.decoder = make_decoder(self.model, self.kv, self.device, compile, max_batch)
         self.tokenizer = ChatTokenizer(model_dir)
         self.meter = memory_meter(self.device)
         self.info = EngineInfo(
@@ -87,7 +88,8 @@ class TorchEngine(GenerationEngine):
             dtype=self.dtype,
             context_length=self.context_length,
             backend_version=f"torch {torch.__version__}",
-            extra={"compiled": "false", **pool_info(pool, max_batch)},
+            extra={"cuda_graphs": str(self.decoder is not None).lower(),
+                   **pool_info(pool, max_batch)},
         )
         log.info(
             "torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
@@ -96,7 +98,7 @@ class TorchEngine(GenerationEngine):
         )
 
     def executor(self) -> TorchExecutor:
-        return TorchExecutor(self.model, self.kv, self.device)
+        return TorchExecutor(self.model, self.kv, self.device, self.decoder)
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
@@ -115,9 +117,28 @@ class TorchEngine(GenerationEngine):
     def close(self) -> None:
         self.model = None
         self.kv = None
+        self.decoder = None
 
 
 def onednn_linears(device: str, compile: str) -> bool:
     """Eager CPU only: the compiler cannot trace oneDNN's opaque weights (and with
     --compile on, Inductor packs weights its own way)."""
     return device == "cpu" and compile != "on" and cpu_linear.available()
+
+
+def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int):
+    """On CUDA the decode step is replayed as CUDA graphs: compiled by Inductor (compile auto
+    or on), or of eager ops (off, or DUET_CUDA_GRAPHS=eager). None (eager decode) elsewhere:
+    MPS and the CPU have no graph replay, and eager decode is their fast path."""
+    if not device.startswith("cuda"):
+        if compile == "on":
+            log.warning("--compile on: %s decodes eagerly; CUDA graphs are for CUDA", device)
+        return None
+    import os
+
+    from .cuda_graphs import GraphDecoder
+
+    eager = compile == "off" or os.environ.get("DUET_CUDA_GRAPHS") == "eager"
+    decoder = GraphDecoder(model, kv, device, max_batch, backend=None if eager else "inductor")
+    decoder.warm_up()
+    return decoder

@@ -19,23 +19,35 @@ from .sampling import sample_rows
 class TorchExecutor:
     chunked_prefill = True
 
-    def __init__(self, model, kv: PagedKV, device: str):
+    def __init__(self, model, kv: PagedKV, device: str, decoder=None):
         self.model, self.kv, self.device = model, kv, device
         self.window = model.args.sliding_window
+        self.decoder = decoder  # CUDA graphs for decode rows (cuda_graphs.GraphDecoder)
 
     def step(self, plan: StepPlan) -> StepOutput:
         with torch.inference_mode():
-            logits, due = [], []
+            logits, greedy, due = [], [], []
             for rows in (plan.prefill, plan.decode):
-                if rows:
+                if not rows:
+                    continue
+                if rows is plan.decode and self.decoder is not None:
+                    out, picks = self.decoder.run(rows)
+                else:
                     out = self._forward(rows)
-                    keep = [i for i, r in enumerate(rows) if r.sample]
-                    if keep:
-                        logits.append(out if len(keep) == len(rows) else out[keep])
-                        due += [rows[i] for i in keep]
+                    picks = None
+                keep = [i for i, r in enumerate(rows) if r.sample]
+                if keep:
+                    whole = len(keep) == len(rows)
+                    logits.append(out if whole else out[keep])
+                    greedy.append(picks if picks is None or whole else picks[keep])
+                    due += [rows[i] for i in keep]
             if not due:
                 return StepOutput({})
-            tokens = sample_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
+            if all(r.sampling.greedy for r in due):
+                tokens = torch.cat([torch.argmax(x, dim=-1) if g is None else g
+                                    for x, g in zip(logits, greedy)])
+            else:
+                tokens = sample_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
             # The step's one host sync: the ids go out to the streams.
             return StepOutput(dict(zip((r.seq_id for r in due), tokens.tolist())))
 

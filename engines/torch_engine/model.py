@@ -1,14 +1,13 @@
 """duet's own Llama-family transformer, in the manner of gpt-fast.
 
-The KV cache is preallocated for the whole context and written in place; attention goes through
-scaled_dot_product_attention; Q/K/V and gate/up projections are fused into one matmul each.
+Attention goes through scaled_dot_product_attention (or, for a CUDA decode step, the Triton
+kernel of decode_attention.py); Q/K/V and gate/up projections are fused into one matmul each.
 
-Two ways to address positions:
-- `start: int` (eager, CPU/MPS): attention reads only the filled prefix of the cache, so short
-  sequences cost little.
-- `input_pos: Tensor` (static, for torch.compile and CUDA graphs): every shape is fixed by the
-  context length, the cache is written with index_copy_ and attention masks the unfilled part,
-  so one compiled graph serves every position.
+Two ways to run it:
+- forward_paged (the runtime's steps): a batch of rows, each at its own positions, writing its
+  K/V into the runtime's paged pool (paged.py) and reading its pages back.
+- forward (scoring, whole-prompt logits): one contiguous batch-1 cache that scratch_cache
+  installs for the call; attention reads only its filled prefix.
 """
 
 from __future__ import annotations
@@ -36,11 +35,6 @@ class KVCache(nn.Module):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
-
-    def write_at(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +92,7 @@ class Attention(nn.Module):
         # decode_attention.py instead of the PyTorch-op attention below.
         self.decode_kernel = False
 
-    def forward(self, x, cos, sin, pos, mask, kv_len=None, pool=None):
+    def forward(self, x, cos, sin, pos, mask, pool=None):
         b, t, _ = x.shape
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate Q and K together: half the small ops of rotating each.
@@ -107,7 +101,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if pool is not None:
             out = self._paged_attention(q, k, v, pos, pool)
-        elif isinstance(pos, int):
+        else:
             k, v = self.kv_cache.write_prefix(pos, k, v)
             if t == 1 and mask is None:
                 out = self._one_query_attention(q, k, v)
@@ -116,27 +110,23 @@ class Attention(nn.Module):
                     q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                     enable_gqa=self.n_kv != self.n_heads,
                 )
-        else:
-            k, v = self.kv_cache.write_at(pos, k, v)
-            if kv_len is not None:  # attend over a bucket of the cache, not all of it
-                k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            if t == 1 and self.decode_kernel:
-                out = torch.ops.duet.decode_attention(q, k, v, pos, self.window)
-            else:
-                out = self._grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _paged_attention(self, q, k, v, batch, pool):
-        """Write the rows' K/V into the pool, then attend over each row's keys (gathered from
-        the pool, or the new keys alone when every row starts at 0) under the batch's mask."""
-        k_pool, v_pool = pool
+        """Write the rows' K/V into the pool, then attend over each row's keys: through the
+        Triton kernel (CUDA decode), gathered from the pool, or the new keys alone when every
+        row starts at 0."""
+        k_pool, v_pool, read, mask = pool
         b, _, t, d = q.shape
         k_pool.index_copy_(0, batch.write_slots, k.transpose(1, 2).reshape(b * t, self.n_kv, d))
         v_pool.index_copy_(0, batch.write_slots, v.transpose(1, 2).reshape(b * t, self.n_kv, d))
-        if batch.read_slots is not None:
-            k = k_pool[batch.read_slots].transpose(1, 2)  # [B, KV, L, D]
-            v = v_pool[batch.read_slots].transpose(1, 2)
-        mask = batch.mask
+        if t == 1 and self.decode_kernel and batch.table is not None:
+            return torch.ops.duet.paged_decode_attention(
+                q, k_pool, v_pool, batch.table, batch.positions[:, 0], batch.kv_len, batch.page,
+                self.window)
+        if read is not None:
+            k = k_pool[read].transpose(1, 2)  # [B, KV, L, D]
+            v = v_pool[read].transpose(1, 2)
         if mask is None:  # one fresh prompt: plain causal attention over its own keys
             return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1,
                                                   enable_gqa=self.n_kv != self.n_heads)
@@ -154,33 +144,6 @@ class Attention(nn.Module):
         b, _, _, d = q.shape
         q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, d)
         return F.scaled_dot_product_attention(q, k, v).reshape(b, self.n_heads, 1, d)
-
-    def _grouped_attention(self, q, k, v, mask):
-        """GQA without copying K/V: fold each group's query heads into the query axis, so the
-        n_kv cached heads are read once (static shapes compile and replay well)."""
-        b, _, t, d = q.shape
-        if t == 1:
-            return self._static_decode_attention(q, k, v, mask)
-        rep = self.n_heads // self.n_kv
-        q = q.reshape(b, self.n_kv, rep * t, d)
-        mask = mask.repeat(rep, 1) if rep > 1 else mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return out.reshape(b, self.n_heads, t, d)
-
-
-    def _static_decode_attention(self, q, k, v, mask):
-        """One query over a bucket of the cache as two batched matrix products (a group's
-        query heads against their shared K/V head) around a masked softmax. SDPA's kernels
-        pay heavily for a masked one-row query (measured: 32 us a layer on an H200, for 4 MB
-        of K/V); plain reductions that the compiler fuses were slower than this, FlexAttention
-        slower still (llama-3.2-1b step: 1.11 ms this way, 1.25 and 1.29 ms those)."""
-        b, _, _, d = q.shape
-        q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, d)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * (d ** -0.5)  # [b, kv, rep, L]
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        out = torch.matmul(probs.to(v.dtype), v)  # [b, kv, rep, d]
-        return out.reshape(b, self.n_heads, 1, d)
-
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -206,8 +169,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, cos, sin, pos, mask, kv_len=None, pool=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, kv_len, pool)
+    def forward(self, x, cos, sin, pos, mask, pool=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -263,18 +226,18 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos().to(p.dtype), persistent=False)
         self.register_buffer("rope_sin", emb.sin().to(p.dtype), persistent=False)
-        self.register_buffer(
-            "cache_pos", torch.arange(max_len, device=p.device), persistent=False
-        )
         self.max_len = max_len
 
     def forward_paged(self, batch, kv) -> torch.Tensor:
         """Logits [B, V] after each row's last real token, for a PagedBatch over the pool kv."""
         cos = self.rope_cos[batch.positions][:, None]  # [B, 1, T, D]
         sin = self.rope_sin[batch.positions][:, None]
+        kernel = batch.tokens.shape[1] == 1 and batch.table is not None and \
+            self.model.layers[0].self_attn.decode_kernel
+        read, mask = (None, None) if kernel else batch.attend()  # once for every layer
         x = self.model.embed_tokens(batch.tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, None, None, (kv.k[i], kv.v[i]))
+            x = layer(x, cos, sin, batch, None, (kv.k[i], kv.v[i], read, mask))
         x = x[torch.arange(x.shape[0], device=x.device), batch.last]
         return self.lm_head(self.model.norm(x))
 
@@ -306,40 +269,18 @@ class Transformer(nn.Module):
             mask &= k_pos > q_pos - window
         return mask
 
-    def _static_mask(self, input_pos: torch.Tensor, kv_len: int | None) -> torch.Tensor:
-        q_pos = input_pos[:, None]
-        k_pos = self.cache_pos[None, :kv_len]
-        mask = k_pos <= q_pos
-        if self.args.sliding_window is not None:
-            mask &= k_pos > q_pos - self.args.sliding_window
-        return mask
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        pos: int | torch.Tensor,
-        last_only: bool = False,
-        logits_at: torch.Tensor | None = None,
-        kv_len: int | None = None,
-    ):
-        """Logits for tokens [1, T]. `pos` is the first position (int, eager prefix path) or
-        every token's position (Tensor [T], static path). `last_only` or `logits_at` (indices
-        into T) limit the vocabulary projection to the rows needed. `kv_len` (static path)
-        bounds attention to the first kv_len cache slots; every position must be below it."""
+    def forward(self, tokens: torch.Tensor, pos: int, last_only: bool = False):
+        """Logits for tokens [B, T] at positions pos.. over the contiguous cache installed by
+        scratch_cache (scoring, whole-prompt logits); the runtime's steps go through
+        forward_paged. `last_only` limits the vocabulary projection to the last position."""
         t = tokens.shape[1]
-        if isinstance(pos, int):
-            if pos + t > self.max_len:
-                raise ValueError(f"position {pos + t} is past the KV cache ({self.max_len})")
-            cos, sin = self.rope_cos[pos : pos + t], self.rope_sin[pos : pos + t]
-            mask = self._prefix_mask(pos, t, tokens.device)
-        else:
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-            mask = self._static_mask(pos, kv_len)
+        if pos + t > self.max_len:
+            raise ValueError(f"position {pos + t} is past the KV cache ({self.max_len})")
+        cos, sin = self.rope_cos[pos : pos + t], self.rope_sin[pos : pos + t]
+        mask = self._prefix_mask(pos, t, tokens.device)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, pos, mask, kv_len)
+            x = layer(x, cos, sin, pos, mask)
         if last_only:
             x = x[:, -1:]
-        elif logits_at is not None:
-            x = x.index_select(1, logits_at)
         return self.lm_head(self.model.norm(x))

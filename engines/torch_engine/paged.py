@@ -35,17 +35,50 @@ class PagedKV:
 
 @dataclass
 class PagedBatch:
-    """One forward's rows: tokens [B, T] at positions [B, T]; their K/V go to write_slots
-    [B*T]; queries attend over read_slots [B, L] (key j of row b is its position j) under mask
-    [B, 1, T, L], or, when read_slots is None (every row starts at 0), over the new keys
-    alone. last [B]: the index in T of each row's last real token."""
+    """One forward's rows: tokens [B, T] at positions [B, T] (a row's padding continues its
+    positions); their K/V go to write_slots [B*T]; last [B] is the index in T of each row's
+    last real token. Queries attend to the keys at positions below kv_len that they may see:
+    each row's pages are table [B, pages], or, when table is None (every row a prompt from
+    position 0), the new keys alone.
+
+    The read slots and the mask are derived on the device (attend()), so a CUDA graph can
+    capture them; the CUDA kernel reads the table itself and needs neither."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     write_slots: torch.Tensor
-    read_slots: torch.Tensor | None
-    mask: torch.Tensor | None
     last: torch.Tensor
+    table: torch.Tensor | None
+    kv_len: int
+    page: int
+    trash: int
+    window: int | None
+
+    def attend(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(read_slots [B, kv_len] or None, mask [B, 1, T, kv_len] or None for plain causal)."""
+        b = self.tokens.shape[0]
+        device = self.tokens.device
+        k_pos = torch.arange(self.kv_len, device=device)
+        mask = k_pos[None, None, :] <= self.positions[:, :, None]
+        if self.window is not None:
+            mask &= k_pos[None, None, :] > self.positions[:, :, None] - self.window
+        if self.table is None:
+            return None, (None if b == 1 and self.window is None else mask[:, None])
+        read = self.table.gather(1, (k_pos // self.page)[None, :].expand(b, -1)) * self.page \
+            + k_pos % self.page
+        # Past a row's last position nothing was written: read the zeroed trash slot there (a
+        # masked key still multiplies its value by zero, and garbage may be NaN).
+        ends = self.positions.gather(1, self.last[:, None]) + 1
+        read = torch.where(k_pos[None, :] < ends, read, self.trash)
+        return read, mask[:, None]
+
+
+def block_table(rows: Sequence[ScheduledSeq], width: int | None = None) -> torch.Tensor:
+    width = width or max(len(r.blocks) for r in rows)
+    table = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.long)
+    return table
 
 
 def build_batch(rows: Sequence[ScheduledSeq], kv: PagedKV, max_len: int, window: int | None,
@@ -54,40 +87,21 @@ def build_batch(rows: Sequence[ScheduledSeq], kv: PagedKV, max_len: int, window:
     t = max(len(r.tokens) for r in rows)
     n = len(rows)
     tokens = torch.zeros(n, t, dtype=torch.long)
-    lengths = torch.tensor([len(r.tokens) for r in rows])
-    starts = torch.tensor([r.start for r in rows])
     for i, r in enumerate(rows):
         tokens[i, : len(r.tokens)] = torch.tensor(r.tokens)
+    lengths = torch.tensor([len(r.tokens) for r in rows])
+    starts = torch.tensor([r.start for r in rows])
     offs = torch.arange(t)
-    positions = starts[:, None] + offs[None, :]  # [B, T]; past a row's end: padding
-    real = offs[None, :] < lengths[:, None]
-    width = max(len(r.blocks) for r in rows)
-    table = torch.zeros(n, width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        table[i, : len(r.blocks)] = torch.tensor(r.blocks)
     # Padding positions may run past the context: clamp them (their rows are never read).
-    positions = positions.clamp(max=max_len - 1)
-    slots = table.gather(1, (positions // bs).clamp(max=width - 1)) * bs + positions % bs
+    positions = (starts[:, None] + offs[None, :]).clamp(max=max_len - 1)
+    real = offs[None, :] < lengths[:, None]
+    table = block_table(rows)
+    slots = table.gather(1, (positions // bs).clamp(max=table.shape[1] - 1)) * bs + positions % bs
     write = torch.where(real, slots, kv.trash).reshape(-1)
-    ends = starts + lengths
     fresh = bool((starts == 0).all())
-    if fresh:
-        read = None
-        k_pos = offs
-    else:
-        k_pos = torch.arange(int(ends.max()))
-        read = table.gather(1, (k_pos // bs)[None, :].expand(n, -1).clamp(max=width - 1)) * bs \
-            + k_pos % bs
-        read = torch.where(k_pos[None, :] < ends[:, None], read, kv.trash)
-    mask = k_pos[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    if window is not None:
-        mask &= k_pos[None, None, :] > positions[:, :, None] - window
-    if fresh and n == 1 and window is None:
-        mask = None  # plain causal: SDPA's own causal path
-    else:
-        mask = mask[:, None]
     return PagedBatch(
         tokens=tokens.to(device), positions=positions.to(device), write_slots=write.to(device),
-        read_slots=None if read is None else read.to(device),
-        mask=None if mask is None else mask.to(device), last=(lengths - 1).to(device),
+        last=(lengths - 1).to(device), table=None if fresh else table.to(device),
+        kv_len=t if fresh else int((starts + lengths).max()), page=bs, trash=kv.trash,
+        window=window,
     )

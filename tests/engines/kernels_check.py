@@ -1,55 +1,62 @@
 """Run by test_cuda_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter
-runs the CUDA path's kernels (decode attention, SiLU * up) on the CPU (the flag must be set
-before a kernel is defined, so it cannot share the test process). Exits non-zero on a
-mismatch."""
+runs the CUDA path's kernels (paged decode attention, SiLU * up) on the CPU (the flag must be
+set before a kernel is defined, so it cannot share the test process); on a GPU the same checks
+run compiled. Exits non-zero on a mismatch."""
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
 import torch
 
-from engines.torch_engine import runner as runners
+from engines.base import SamplingParams, Step
+from engines.runtime.runtime import Runtime, Submission
 from engines.torch_engine.config import ModelArgs
-from engines.torch_engine.decode_attention import decode_attention
-from engines.torch_engine.loader import random_model
+from engines.torch_engine.decode_attention import paged_decode_attention
 from engines.torch_engine.silu_mul import silu_mul
 
-CASES = [  # heads, kv heads, head dim, bucket, position, window
-    (8, 2, 64, 256, 0, 0), (8, 2, 64, 256, 255, 0), (14, 2, 64, 512, 300, 0),
-    (4, 4, 16, 16, 9, 0), (8, 2, 64, 512, 400, 100), (32, 8, 128, 256, 129, 0),
+CASES = [  # heads, kv heads, head dim, positions of the rows, kv_len, window
+    (8, 2, 64, [0, 255, 17], 256, 0), (14, 2, 64, [300, 5], 512, 0), (4, 4, 16, [9], 16, 0),
+    (8, 2, 64, [400, 99, 250], 512, 100), (32, 8, 128, [129, 1, 63, 64], 256, 0),
 ]
+PAGE = 16
 
 
-def reference(q, k, v, pos: int, window: int):
-    h, kv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(h // kv, 1).float()
-    v = v.repeat_interleave(h // kv, 1).float()
-    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    slots = torch.arange(k.shape[2], device=q.device)
-    ok = slots <= pos
-    if window:
-        ok &= slots > pos - window
-    return torch.softmax(scores.masked_fill(~ok, float("-inf")), -1) @ v
+def reference(q, k_pool, v_pool, table, pos, window):
+    """Row by row: gather the row's positions 0..pos from its pages, plain attention."""
+    out = []
+    h, kv = q.shape[1], k_pool.shape[1]
+    for b, p in enumerate(pos):
+        j = torch.arange(p + 1)
+        if window:
+            j = j[j > p - window]
+        slots = table[b, j // PAGE] * PAGE + j % PAGE
+        k = k_pool[slots].float().transpose(0, 1).repeat_interleave(h // kv, 0)  # [H, L, D]
+        v = v_pool[slots].float().transpose(0, 1).repeat_interleave(h // kv, 0)
+        scores = q[b].float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # [H, 1, L]
+        out.append(torch.softmax(scores, dim=-1) @ v)
+    return torch.stack(out)
 
 
 def check_op(dtypes=((torch.float32, 1e-5), (torch.float16, 2e-3)), device="cpu") -> None:
-    """The op against plain attention: GQA groups of 1, 4 and 7, head dims 16 to 128, the
-    first and last slot of a bucket, a bucket shorter than one block, a sliding window, and
-    K/V that are a slice of a longer cache (the strides the model passes)."""
+    """Rows of different lengths over shuffled pages of one pool: the first and last position
+    of a bucket, a single position, a sliding window."""
     torch.manual_seed(0)
     for dtype, tol in dtypes:
-        for h, kv, d, bucket, pos, window in CASES:
-            cache_k = torch.randn(1, kv, 1024, d, dtype=dtype, device=device)
-            cache_v = torch.randn(1, kv, 1024, d, dtype=dtype, device=device)
-            q = torch.randn(1, h, 1, d, dtype=dtype, device=device)
-            k, v = cache_k[:, :, :bucket], cache_v[:, :, :bucket]
-            out = decode_attention(q, k, v, torch.tensor([pos], device=device), window)
+        for h, kv, d, pos, kv_len, window in CASES:
+            pages = kv_len // PAGE + 1
+            n_pages = pages * len(pos) + 3
+            k_pool = torch.randn(n_pages * PAGE, kv, d, dtype=dtype, device=device)
+            v_pool = torch.randn(n_pages * PAGE, kv, d, dtype=dtype, device=device)
+            table = torch.randperm(n_pages, device=device)[: pages * len(pos)].view(len(pos), pages)
+            q = torch.randn(len(pos), h, 1, d, dtype=dtype, device=device)
+            p = torch.tensor(pos, device=device)
+            out = paged_decode_attention(q, k_pool, v_pool, table, p, kv_len, PAGE, window)
             assert out.shape == q.shape and out.dtype == dtype
-            err = (out.float() - reference(q, k, v, pos, window)).abs().max().item()
-            assert err < tol, (dtype, h, kv, d, bucket, pos, window, err)
+            expected = reference(q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), pos, window)
+            err = (out.float().cpu() - expected).abs().max().item()
+            assert err < tol, (dtype, h, kv, d, pos, kv_len, window, err)
 
 
 def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device="cpu") -> None:
@@ -66,11 +73,14 @@ def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device
             )
 
 
-def check_model(window: int | None) -> None:
-    """A whole static decode with the kernels equals the PyTorch-op path (itself checked
-    against transformers), through prefill and 30 steps that cross attention buckets 16, 32,
-    64."""
-    runners.MIN_DECODE_BUCKET = 16
+def tiny_engine(window: int | None, device: str):
+    """A TorchEngine over a small random model, without loading files."""
+    from engines.runtime.kv import BlockPool
+    from engines.torch_engine.engine import TorchEngine
+    from engines.torch_engine.loader import random_model
+    from engines.torch_engine.paged import PagedKV
+    from tests.engines.test_batching import ByteTokens
+
     args = ModelArgs.from_hf(dict(
         model_type="mistral" if window else "llama", vocab_size=64, hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -78,48 +88,55 @@ def check_model(window: int | None) -> None:
         max_position_embeddings=256, sliding_window=window, tie_word_embeddings=False,
     ))
     torch.manual_seed(1)
-    model = random_model(args, torch.float32, "cpu")
+    engine = TorchEngine.__new__(TorchEngine)
+    engine.model = random_model(args, torch.float32, device)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in engine.model.named_parameters():
             # Large Q/K weights make attention peaked, so a wrong weight on any slot shows.
             p.normal_(0, 0.5 if "qkv_proj" in name else 0.08)
-    model.setup_cache(64)
-    prompt = [5, 9, 1, 33, 7, 2, 60, 4, 8, 11, 3]
+    engine.device, engine.context_length = device, 128
+    engine.model.setup_rope(128)
+    engine.kv = PagedKV(2, 40, PAGE, 2, 16, torch.float32, device)
+    engine.init_runtime(BlockPool(40, PAGE), max_batch=4, max_prefill_tokens=64)
+    engine.tokenizer = ByteTokens()
+    engine.name = "torch"
+    return engine
+
+
+def check_model(window: int | None, device: str = "cpu") -> None:
+    """A batch decoded with the kernels gives the tokens the PyTorch-op path gives (itself
+    checked against transformers), rows of mixed lengths crossing pages."""
+    prompts = [[5, 9, 1, 33, 7, 2, 60, 4, 8, 11, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8] * 3]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     traces = []
     for kernel in (False, True):
-        model.use_kernels(attention=kernel, activation=kernel)
-        runner = runners.StaticRunner(model, "cpu", compile=False)
-        with torch.no_grad():
-            logits = runner.prefill(prompt)
-            steps = [logits]
-            for pos in range(len(prompt), len(prompt) + 30):
-                logits = runner.decode(logits.argmax().view(1), pos)
-                steps.append(logits)
-        traces.append(torch.stack(steps))
-    torch.testing.assert_close(traces[1], traces[0], atol=1e-5, rtol=1e-4)
+        engine = tiny_engine(window, device)
+        engine.model.use_kernels(attention=kernel, activation=kernel)
+        engine.decoder = None
+        runtime = Runtime(engine)
+        got = {i: [] for i in range(len(prompts))}
 
-    # The CUDA runner's step (decode + greedy pick, kernels as opaque ops) must trace as one
-    # graph with the attention bucket dynamic, and compute what the eager step computes.
-    runner = runners.StaticRunner(model, "cpu", compile=False)
-    step = torch.compile(
-        functools.partial(runners.CudaGraphRunner._decode_and_pick, runner),
-        fullgraph=True, dynamic=True, backend="aot_eager",
-    )
-    with torch.no_grad():
-        runner.prefill(prompt)
-        token = torch.tensor([[7]])
-        for kv_len in (16, 32):
-            logits, pick = step(token, runner._pos, kv_len)
-            expected = runner._decode_impl(token, runner._pos, kv_len)
-            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
-            assert pick.tolist() == [int(expected.argmax())]
+        def emit_to(i):
+            def emit(event):
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, Step):
+                    got[i].append(event.token_id)
+            return emit
+
+        for i, p in enumerate(prompts):
+            runtime.add(Submission(p, params, emit_to(i)))
+        while runtime.has_work:
+            runtime.step()
+        traces.append(got)
+    assert traces[0] == traces[1], traces
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (or on CUDA)"
-    check_op()
-    check_silu_mul()
-    check_model(window=None)
-    check_model(window=8)
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    check_op(device=device)
+    check_silu_mul(device=device)
+    check_model(window=None, device=device)
+    check_model(window=8, device=device)
     print("kernels: ok")
     sys.exit(0)

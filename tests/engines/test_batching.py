@@ -19,6 +19,15 @@ PROMPTS = [
 ]
 
 
+class ByteTokens:
+    """A tokenizer for engines built without files: ids are bytes, nothing ends a sequence."""
+
+    eos_token_ids = frozenset()
+
+    def decode(self, ids):
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
 def engine_for(tiny_dirs, family, **options):
     return TorchEngine(tiny_dirs[family][0], context_length=96, dtype="float32", device="cpu",
                        **options)

@@ -30,10 +30,12 @@ def test_kernel_in_the_triton_interpreter():
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_cuda():
-    from tests.engines.kernels_check import check_op, check_silu_mul
+    from tests.engines.kernels_check import check_model, check_op, check_silu_mul
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
+    check_model(window=None, device="cuda")
+    check_model(window=8, device="cuda")
 
 
 def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):

@@ -81,44 +81,33 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_static_path_matches_transformers(tiny_dirs, family, monkeypatch):
-    """The compile-ready path (tensor positions, padded prefill buckets, bucketed attention
-    with folded GQA) computes the same logits, here uncompiled on the CPU."""
-    from engines.torch_engine import runner as runners
+def test_paged_path_matches_transformers(tiny_dirs, family):
+    """The runtime's path: the prompt prefilled into pages of the pool in two chunks, then 30
+    decode steps gathering the pages back (the second chunk and the decode steps cross pages
+    of 16 positions; the 4-token window of mistral_window is crossed many times)."""
+    from engines.runtime.plan import RowSampling, ScheduledSeq
+    from engines.torch_engine.paged import build_batch
 
-    # Small attention buckets (16, 32, 64), so the 30 decode steps cross two of them.
-    monkeypatch.setattr(runners, "MIN_DECODE_BUCKET", 16)
     path, reference = tiny_dirs[family]
-    model = load_model(path, torch.float32, "cpu")
-    model.setup_cache(64)
-    runner = runners.StaticRunner(model, "cpu", compile=False)
-    seq = torch.tensor([PROMPT])  # 11 tokens: padded to a bucket of 16
-    with torch.no_grad():
-        logits = runner.prefill(PROMPT)
+    engine = TorchEngine(path, context_length=64, dtype="float32", device="cpu")
+    model, kv = engine.model, engine.kv
+    blocks = (5, 2, 7, 0)  # out of order on purpose
+
+    def logits_after(tokens, start):
+        row = ScheduledSeq(0, tuple(tokens), start, blocks, True, RowSampling(0.0, 0, 1.0, 0), 0)
+        with torch.no_grad():
+            return model.forward_paged(build_batch([row], kv, 64, model.args.sliding_window,
+                                                   "cpu"), kv)[0]
+
+    seq = torch.tensor([PROMPT])
+    logits_after(PROMPT[:6], 0)
+    logits = logits_after(PROMPT[6:], 6)
+    torch.testing.assert_close(logits, reference(seq).logits[0, -1], atol=2e-5, rtol=1e-4)
+    for _ in range(30):
+        token = int(logits.argmax())
+        seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+        logits = logits_after([token], seq.shape[1] - 1)
         torch.testing.assert_close(logits, reference(seq).logits[0, -1], atol=2e-5, rtol=1e-4)
-        for _ in range(30):
-            token = logits.argmax().view(1)
-            seq = torch.cat([seq, token.view(1, 1)], dim=1)
-            logits = runner.decode(token, seq.shape[1] - 1)
-            torch.testing.assert_close(logits, reference(seq).logits[0, -1], atol=2e-5, rtol=1e-4)
-
-
-def test_prefill_buckets():
-    from engines.torch_engine.runner import prefill_bucket
-
-    assert [prefill_bucket(n, 2048) for n in (1, 16, 17, 128, 129, 1000, 2048)] == [
-        16, 16, 32, 128, 256, 1024, 2048]
-    assert prefill_bucket(1500, 1536) == 1536  # never past the cache
-
-
-def test_decode_buckets():
-    from engines.torch_engine.runner import decode_bucket, decode_buckets
-
-    assert [decode_bucket(n, 2048) for n in (1, 256, 257, 384, 1025, 2048)] == [
-        256, 256, 512, 512, 2048, 2048]
-    assert decode_buckets(2048) == [256, 512, 1024, 2048]
-    assert decode_buckets(3000) == [256, 512, 1024, 2048, 3000]
-    assert decode_buckets(100) == [100]
 
 
 @needs_onednn

@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Concurrency sweep through the HTTP server: N clients at once, each streaming one completion.
+
+Starts `duet serve` (or uses --url), and for each N in --clients sends N streaming
+/v1/completions at once, each a distinct prompt of --prompt-tokens token ids and --max-tokens
+new tokens (greedy, end-of-sequence ignored). Clients run in their own processes, apart from the
+server's. Per level: aggregate tok/s (all clients' tokens over the wall time from the first
+request to the last token), TTFT and inter-token latency p50/p99 (gaps between streamed chunks,
+pooled over clients), the peak batch and KV use seen on /health. Then, optionally, the same
+batches through transformers generate() (static cache + compile) and mlx-lm's BatchGenerator,
+with the server stopped. Prints a table; writes JSON under docs/bench/.
+
+  python scripts/bench_concurrency.py --model dummy-llama-3.2-1b --clients 1,4,16,64 \\
+      --reference transformers --out docs/bench/concurrency-llama-3.2-1b-h200.json
+  python scripts/bench_concurrency.py --model smollm2-135m-instruct --clients 1,8 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def prompts_for(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 10_000) for _ in range(length)] for _ in range(n)]
+
+
+# -- the load: clients in worker processes -------------------------------------------------
+
+
+async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
+    import httpx  # noqa: F401
+
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    sent = time.time()
+    chunks: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return {"error": f"{resp.status_code} {await resp.aread()!r}"[:300]}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if '"usage"' in line and '"choices":[]' in line.replace(" ", ""):
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            elif '"text":""' not in line.replace(" ", ""):
+                chunks.append(time.time())
+    return {"sent": sent, "chunks": chunks, "tokens": tokens}
+
+
+def _client_process(url: str, bodies: list[dict], start_at: float, out) -> None:
+    import httpx
+
+    async def main():
+        limits = httpx.Limits(max_connections=len(bodies) + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            return await asyncio.gather(*(_stream_one(client, url, b, start_at) for b in bodies))
+
+    out.put(asyncio.run(main()))
+
+
+def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
+              engine: str | None, procs: int) -> dict:
+    bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+               **({"engine": engine} if engine else {})}
+              for p in prompts_for(n, prompt_tokens, seed=n)]
+    procs = max(1, min(procs, n))
+    out = mp.Queue()
+    start_at = time.time() + 1.5  # every process connected and waiting by then
+    workers = [mp.Process(target=_client_process, args=(url, bodies[i::procs], start_at, out))
+               for i in range(procs)]
+    seen = {"batch": 0, "kv_used": 0}
+    stop = threading.Event()
+
+    def watch():
+        import httpx
+
+        while not stop.is_set():
+            try:
+                state = httpx.get(url + "/health", timeout=2).json()["engines"]
+                for e in state:
+                    seen["batch"] = max(seen["batch"], e.get("batch", 0))
+                    seen["kv_used"] = max(seen["kv_used"], e.get("kv_cache_used_bytes", 0))
+                    seen["kv_size"] = e.get("kv_cache_bytes", 0)
+            except Exception:
+                pass
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    for w in workers:
+        w.start()
+    watcher.start()
+    results = []
+    for _ in workers:
+        results += out.get()
+    for w in workers:
+        w.join()
+    stop.set()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise SystemExit(f"{len(errors)} of {n} requests failed: {errors[0]}")
+    first_sent = min(r["sent"] for r in results)
+    last = max(r["chunks"][-1] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    ttfts = [r["chunks"][0] - r["sent"] for r in results]
+    gaps = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    decode = [(r["tokens"] - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
+              if r["tokens"] > 1 and r["chunks"][-1] > r["chunks"][0]]
+    return {
+        "clients": n, "tokens": tokens, "wall_s": round(last - first_sent, 3),
+        "aggregate_tok_s": round(tokens / (last - first_sent), 1),
+        "per_client_decode_tok_s_p50": round(statistics.median(decode), 1) if decode else None,
+        "ttft_ms_p50": round(percentile(ttfts, 50) * 1000, 1),
+        "ttft_ms_p99": round(percentile(ttfts, 99) * 1000, 1),
+        "itl_ms_p50": round(percentile(gaps, 50) * 1000, 2),
+        "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2),
+        "peak_batch": seen["batch"], "peak_kv_used_bytes": seen["kv_used"],
+        "kv_cache_bytes": seen.get("kv_size", 0),
+    }
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = args.port
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
+           "--max-batch", str(args.max_batch), "--max-queue", "256",
+           "--max-connections", "1024", *args.serve_args]
+    if args.engine:
+        cmd += ["--engine", args.engine]
+    log = open(args.server_log, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: see {args.server_log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"the server did not start in {args.start_timeout} s: see {args.server_log}")
+
+
+# -- references --------------------------------------------------------------------------------
+
+
+def reference_runs(args, levels: list[int]) -> dict:
+    """Aggregate new tok/s of the references on batches of the same prompts (prefill included,
+    as the server's aggregate includes it): the median of --ref-repeats timed runs after one
+    warm-up batch of each size."""
+    from engines.config import load_models_file
+    from engines.sources import resolve_model_dir
+
+    spec = next(s for s in load_models_file(ROOT / "models.toml") if s.id == args.model)
+    path = resolve_model_dir(spec)
+    out = {}
+    for name in args.reference:
+        runs = {}
+        if name == "transformers":
+            from engines.benchmark import HFStaticCompile
+
+            system = HFStaticCompile(args.device)
+            system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)
+            batch_run = system.run_batch
+        else:
+            from engines.benchmark import MLXLMGenerate
+
+            system = MLXLMGenerate()
+            system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)
+            batch_run = system.run_batch
+        for n in levels:
+            prompts = prompts_for(n, args.prompt_tokens, seed=n)
+            batch_run(prompts, args.max_tokens)  # compile and warm up at this size
+            times = [batch_run(prompts, args.max_tokens) for _ in range(args.ref_repeats)]
+            runs[n] = round(n * args.max_tokens / statistics.median(times), 1)
+            print(f"{name} batch {n}: {runs[n]} tok/s", flush=True)
+        system.teardown()
+        out[name] = runs
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--engine", default=None)
+    parser.add_argument("--url", default=None, help="an already running server")
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per level (median taken)")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
+    parser.add_argument("--server-log", default="/tmp/duet-bench-server.log")
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--reference", default="", help="transformers,mlx-lm")
+    parser.add_argument("--ref-repeats", type=int, default=3)
+    parser.add_argument("--ref-clients", default=None,
+                        help="the levels the references run (default: all)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    args.reference = [r for r in args.reference.split(",") if r]
+    levels = [int(c) for c in args.clients.split(",")]
+
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args)
+    try:
+        import httpx
+
+        info = httpx.get(url + "/health").json()
+        rows = []
+        for n in levels:
+            runs = [run_level(url, args.model, n, args.prompt_tokens, args.max_tokens,
+                              args.engine, args.client_procs) for _ in range(args.repeats)]
+            runs.sort(key=lambda r: r["aggregate_tok_s"])
+            rows.append({**runs[len(runs) // 2], "runs": [r["aggregate_tok_s"] for r in runs]})
+            r = rows[-1]
+            print(f"{n:4} clients: {r['aggregate_tok_s']:9.1f} tok/s  TTFT p50 "
+                  f"{r['ttft_ms_p50']:8.1f} ms p99 {r['ttft_ms_p99']:8.1f}  ITL p50 "
+                  f"{r['itl_ms_p50']:6.2f} ms p99 {r['itl_ms_p99']:7.2f}  batch {r['peak_batch']:3}"
+                  f"  KV {r['peak_kv_used_bytes'] / 2**20:7.1f} MiB", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    ref_levels = [int(c) for c in args.ref_clients.split(",")] if args.ref_clients else levels
+    references = reference_runs(args, ref_levels) if args.reference else {}
+    result = {
+        "date": dt.date.today().isoformat(), "model": args.model, "engine": args.engine,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "server": info.get("engines"), "levels": rows, "references": references,
+        "command": " ".join(sys.argv),
+    }
+    base = rows[0]["aggregate_tok_s"]
+    print(f"\n| clients | duet tok/s | x 1 client | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          f"peak batch | peak KV MiB |" + "".join(f" {k} tok/s | duet / {k} |" for k in references))
+    for r in rows:
+        refs = "".join(
+            f" {references[k].get(r['clients'], float('nan')):,.0f} | "
+            f"{r['aggregate_tok_s'] / references[k][r['clients']]:.2f}x |"
+            if r["clients"] in references[k] else " - | - |" for k in references)
+        print(f"| {r['clients']} | {r['aggregate_tok_s']:,.0f} | {r['aggregate_tok_s'] / base:.1f}x "
+              f"| {r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | {r['itl_ms_p50']:.1f} / "
+              f"{r['itl_ms_p99']:.1f} | {r['peak_batch']} | "
+              f"{r['peak_kv_used_bytes'] / 2**20:.0f} |{refs}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The CUDA graph decoder's host bookkeeping on the CPU: batch and attention buckets, the one
+input buffer (tokens, positions, write slots, block tables, padding rows into the trash), with
+a stand-in for CUDA graphs that re-runs the captured step into its captured outputs. Through it,
+a batch whose rows join and leave gives each row its solo tokens."""
+
+import pytest
+import torch
+
+from engines.base import SamplingParams
+from engines.runtime.runtime import Runtime
+from engines.torch_engine import TorchEngine
+from engines.torch_engine import cuda_graphs
+from tests.engines.test_batching import GREEDY, PROMPTS, alone, run_together
+
+
+class ReplayedGraphs:
+    """capture() runs the step once and keeps its outputs; a replay runs the step again and
+    copies the results into those outputs, as a CUDA graph's replay overwrites them."""
+
+    def __init__(self):
+        self.captured = []
+
+    def capture(self, step):
+        out = step()
+        self.captured.append(out)
+
+        def replay():
+            for kept, new in zip(out, step()):
+                kept.copy_(new)
+
+        return replay, out
+
+    def synchronize(self):
+        pass
+
+
+def test_buckets():
+    assert cuda_graphs.batch_buckets(1) == [1]
+    assert cuda_graphs.batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert cuda_graphs.attention_buckets(2048) == [256, 512, 1024, 2048]
+    assert cuda_graphs.attention_buckets(96) == [96]
+    assert cuda_graphs.attention_buckets(300) == [256, 300]
+    assert cuda_graphs.smallest([1, 2, 4, 6], 3) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral_window"])
+def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)  # cross attention buckets early
+    engine = TorchEngine(tiny_dirs[family][0], context_length=96, dtype="float32", device="cpu")
+    expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    graphs = ReplayedGraphs()
+    engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=3,
+                                              graphs=graphs)
+    assert not engine.decoder.kernels  # Triton's kernels are for the GPU
+    before = engine.kv.k[0].clone()
+    engine.decoder.warm_up()
+    # Capturing wrote nothing but the trash slot (compared as bits: unwritten slots may hold
+    # NaN patterns).
+    trash = engine.kv.trash
+    assert torch.equal(before[:trash].view(torch.int32), engine.kv.k[0][:trash].view(torch.int32))
+    assert set(engine.decoder._graphs) == {(b, n) for b in (1, 2, 3) for n in (16, 32, 64, 96)}
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+    assert got == expected
+    # Seeded sampling through the graphs' logits: the same draws as alone.
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=30, seed=5, ignore_eos=True)
+    engine_solo = alone(engine, PROMPTS[0], params)
+    got, _ = run_together(runtime, [(PROMPTS[0], params), (PROMPTS[3], GREEDY[3])])
+    assert got[0] == engine_solo
