@@ -42,9 +42,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+TOKEN_RANGE = [100, 10_000]  # token ids every benchmarked vocabulary has
+
+
 def prompts_for(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, 10_000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
 
 
 # -- the load: clients in worker processes -------------------------------------------------
@@ -102,6 +105,9 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
             try:
                 state = httpx.get(url + "/health", timeout=2).json()["engines"]
                 for e in state:
+                    if e.get("batch", 0) >= seen["batch"]:
+                        seen["step_ms"] = e.get("step_ms")
+                        seen["engine_step_ms"] = e.get("engine_step_ms")
                     seen["batch"] = max(seen["batch"], e.get("batch", 0))
                     seen["kv_used"] = max(seen["kv_used"], e.get("kv_cache_used_bytes", 0))
                     seen["kv_size"] = e.get("kv_cache_bytes", 0)
@@ -139,7 +145,40 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
         "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2),
         "peak_batch": seen["batch"], "peak_kv_used_bytes": seen["kv_used"],
         "kv_cache_bytes": seen.get("kv_size", 0),
+        "step_ms_at_peak_batch": seen.get("step_ms"),
+        "engine_step_ms_at_peak_batch": seen.get("engine_step_ms"),
     }
+
+
+def short_during_long(url: str, model: str, engine: str | None, long_tokens: int,
+                      prompt_tokens: int) -> dict:
+    """Three long generations, then (once they stream) a 4-token one: how long each took."""
+    import httpx
+
+    def body(prompt, n):
+        return {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, **({"engine": engine} if engine else {})}
+
+    prompts = prompts_for(4, prompt_tokens, seed=99)
+    took: dict = {}
+
+    def one(name, prompt, n):
+        started = time.time()
+        resp = httpx.post(url + "/v1/completions", json=body(prompt, n), timeout=900)
+        resp.raise_for_status()
+        took[name] = time.time() - started
+
+    longs = [threading.Thread(target=one, args=(f"long{i}", prompts[i], long_tokens))
+             for i in range(3)]
+    for t in longs:
+        t.start()
+    time.sleep(1.0)
+    one("short", prompts[3], 4)
+    for t in longs:
+        t.join()
+    long_s = min(took[f"long{i}"] for i in range(3))
+    return {"long_s": [round(took[f"long{i}"], 2) for i in range(3)],
+            "short_s": round(took["short"], 2), "short_over_long": round(took["short"] / long_s, 3)}
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -232,7 +271,12 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--short-during-long", type=int, default=0, metavar="TOKENS",
+                        help="also time a 4-token request sent while three of TOKENS run")
+    parser.add_argument("--max-token-id", type=int, default=TOKEN_RANGE[1],
+                        help="prompts use ids below this (a small test vocabulary)")
     args = parser.parse_args()
+    TOKEN_RANGE[:] = [min(TOKEN_RANGE[0], args.max_token_id // 2), args.max_token_id]
     args.reference = [r for r in args.reference.split(",") if r]
     levels = [int(c) for c in args.clients.split(",")]
 
@@ -244,6 +288,9 @@ def main() -> int:
         import httpx
 
         info = httpx.get(url + "/health").json()
+        # One unmeasured round at the largest level: every batch and prefill shape once.
+        run_level(url, args.model, max(levels), args.prompt_tokens, min(args.max_tokens, 16),
+                  args.engine, args.client_procs)
         rows = []
         for n in levels:
             runs = [run_level(url, args.model, n, args.prompt_tokens, args.max_tokens,
@@ -254,7 +301,15 @@ def main() -> int:
             print(f"{n:4} clients: {r['aggregate_tok_s']:9.1f} tok/s  TTFT p50 "
                   f"{r['ttft_ms_p50']:8.1f} ms p99 {r['ttft_ms_p99']:8.1f}  ITL p50 "
                   f"{r['itl_ms_p50']:6.2f} ms p99 {r['itl_ms_p99']:7.2f}  batch {r['peak_batch']:3}"
-                  f"  KV {r['peak_kv_used_bytes'] / 2**20:7.1f} MiB", flush=True)
+                  f"  KV {r['peak_kv_used_bytes'] / 2**20:7.1f} MiB  step {r['step_ms_at_peak_batch']}"
+                  f" ms (engine {r['engine_step_ms_at_peak_batch']})", flush=True)
+        latency = None
+        if args.short_during_long:
+            latency = short_during_long(url, args.model, args.engine, args.short_during_long,
+                                        args.prompt_tokens)
+            print(f"a 4-token request during three of {args.short_during_long} tokens: "
+                  f"{latency['short_s']} s against {latency['long_s']} s "
+                  f"({latency['short_over_long']:.0%})", flush=True)
     finally:
         if proc is not None:
             proc.terminate()
@@ -265,6 +320,7 @@ def main() -> int:
         "date": dt.date.today().isoformat(), "model": args.model, "engine": args.engine,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "server": info.get("engines"), "levels": rows, "references": references,
+        "short_during_long": latency,
         "command": " ".join(sys.argv),
     }
     base = rows[0]["aggregate_tok_s"]

@@ -88,10 +88,10 @@ class GenerationService:
 
     async def _observed(self, events: AsyncIterator, model: str, engine: str) -> AsyncIterator:
         try:
-            async for event in events:
-                if isinstance(event, RequestStats) and self.observer is not None:
-                    self.observer.observe_generation(model, engine, event)
-                yield event
+            async for batch in events:
+                if isinstance(batch[-1], RequestStats) and self.observer is not None:
+                    self.observer.observe_generation(model, engine, batch[-1])
+                yield batch
         finally:
             await events.aclose()  # an early exit must reach the worker, which stops the engine
 
@@ -126,16 +126,18 @@ class GenerationService:
             try:
                 if shape.chat:
                     yield sse(shape.chunk(first=True, include_usage=include_usage))
-                event: Any = first
+                batch: list = first
                 while True:
-                    if isinstance(event, RequestStats):
-                        yield sse(shape.chunk(stats=event, include_usage=include_usage))
+                    # A batch holds what arrived since the last look: one chunk carries it all.
+                    text = "".join(e.text for e in batch if isinstance(e, Step))
+                    if text:
+                        yield sse(shape.chunk(text, include_usage=include_usage))
+                    if isinstance(batch[-1], RequestStats):
+                        yield sse(shape.chunk(stats=batch[-1], include_usage=include_usage))
                         if include_usage:
-                            yield sse(shape.usage_chunk(event))
+                            yield sse(shape.usage_chunk(batch[-1]))
                         break
-                    if event.text:
-                        yield sse(shape.chunk(event.text, include_usage=include_usage))
-                    event = await anext(events)
+                    batch = await anext(events)
             except APIError as exc:  # e.g. the time limit
                 log.warning("stream ended early: %s", exc.message)
                 yield sse(shape.error_event(exc.message, exc.type, exc.code))
@@ -152,11 +154,12 @@ class GenerationService:
 async def _collect(events: AsyncIterator, prompt_param: str) -> tuple[str, RequestStats]:
     parts: list[str] = []
     try:
-        async for event in events:
-            if isinstance(event, Step):
-                parts.append(event.text)
-            else:
-                return "".join(parts), event
+        async for batch in events:
+            for event in batch:
+                if isinstance(event, Step):
+                    parts.append(event.text)
+                else:
+                    return "".join(parts), event
     except EngineError as exc:
         raise from_engine_error(exc, prompt_param) from exc
     except APIError:

@@ -15,6 +15,7 @@ import asyncio
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -91,6 +92,8 @@ class EngineWorker:
         if pool is None or runtime is None:
             return None
         return {"batch": runtime.last_batch, "max_batch": self.engine.max_batch,
+                "step_ms": round(runtime.step_s * 1000, 3),
+                "engine_step_ms": round(runtime.execute_s * 1000, 3),
                 "kv_cache_used_bytes": pool.used_bytes, "kv_cache_bytes": pool.capacity_bytes,
                 "kv_cache_used_tokens": pool.used_blocks * pool.block_size,
                 "kv_cache_tokens": pool.capacity_tokens}
@@ -119,22 +122,31 @@ class EngineWorker:
             job.stop.set()
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams
-                       ) -> AsyncIterator[GenerationEvent]:
-        """The events of one generation, as the loop produces them; it runs in the engine's
-        batch. If the consumer stops early (a client went away) or the time limit passes, the
+                       ) -> AsyncIterator[list[GenerationEvent]]:
+        """The events of one generation, in batches: whatever the loop produced since the
+        consumer last looked (one step's token when it keeps up; several when it falls behind,
+        so a busy server sends fewer, larger chunks instead of falling further behind). The
+        last batch ends with the RequestStats.
+
+        If the consumer stops early (a client went away) or the time limit passes, the
         sequence leaves the batch at the next step; the job is released once the loop has let
         it go."""
         job = self._admit("generation", True)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        arrived: deque = deque()
+        ready = asyncio.Event()
+        woken = [False]  # a wake-up is on its way to the event loop
 
-        def emit(event: Any) -> None:
+        def emit(event: Any) -> None:  # on the engine thread
             if isinstance(event, (RequestStats, BaseException)):
                 self._release(job)  # the loop is done with it
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop is gone: the server is shutting down
-                job.stop.set()
+            arrived.append(event)
+            if not woken[0]:
+                woken[0] = True
+                try:
+                    loop.call_soon_threadsafe(ready.set)
+                except RuntimeError:  # the event loop is gone: the server is shutting down
+                    job.stop.set()
 
         def on_start() -> None:
             job.started = time.monotonic()
@@ -147,14 +159,25 @@ class EngineWorker:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self._time_left(job))
+                    await asyncio.wait_for(ready.wait(), self._time_left(job))
                 except TimeoutError:
                     raise request_timed_out(self.timeout_s) from None
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, RequestStats):
-                    break
+                ready.clear()
+                woken[0] = False  # before draining: an event appended after it wakes us again
+                batch = []
+                while arrived:
+                    item = arrived.popleft()
+                    if isinstance(item, BaseException):
+                        if not batch:
+                            raise item
+                        arrived.appendleft(item)  # the tokens before it go out first
+                        ready.set()
+                        break
+                    batch.append(item)
+                if batch:
+                    yield batch
+                    if isinstance(batch[-1], RequestStats):
+                        break
         finally:
             job.stop.set()
 

@@ -58,6 +58,10 @@ class Runtime:
         self._ids = engine.seq_ids
         self._meter = getattr(engine, "meter", None)
         self.last_batch = 0
+        # Running means of a step's wall time and of the executor's share of it: what is left
+        # is the runtime's own host work (scheduling, detokenizing, handing events over).
+        self.step_s = 0.0
+        self.execute_s = 0.0
 
     @property
     def has_work(self) -> bool:
@@ -101,11 +105,13 @@ class Runtime:
             return
         if self._meter is not None:
             self._meter.reset()
+        started = time.perf_counter()
         try:
             output = self.executor.step(plan)
         except Exception as exc:
             self._fail(plan, exc)
             return
+        executed = time.perf_counter()
         peak = self._meter.peak_bytes() if self._meter is not None else 0
         sampled = self.scheduler.update(plan, output)
         for live in self._live.values():
@@ -117,6 +123,8 @@ class Runtime:
                 live.sub.emit(event)
             if live.out.done:
                 self._finish(live)
+        self.execute_s = 0.9 * self.execute_s + 0.1 * (executed - started)
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started)
 
     def stop_all(self) -> None:
         """End every request now, as cancelled (shutdown, or a one-off caller that left)."""

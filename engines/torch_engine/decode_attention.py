@@ -38,7 +38,7 @@ if triton is not None:
     @triton.jit
     def _split_kernel(
         Q, K, V, Table, Pos, Acc, M, L,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_pos,
         kv_len, window, scale,
         REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         SPLIT_LEN: tl.constexpr, N_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
@@ -46,7 +46,7 @@ if triton is not None:
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        pos = tl.load(Pos + row)
+        pos = tl.load(Pos + row * stride_pos)
         rows = tl.arange(0, REP_PAD)
         dims = tl.arange(0, D)
         head = kvh * REP + rows
@@ -107,7 +107,8 @@ def paged_decode_attention(
 
     q [B, H, 1, D]; k_pool, v_pool [slots, KV, D] (slot = page id * page + offset); table
     [B, pages] (each row's page ids in order); pos [B] (each row's query position; the row
-    attends to positions 0..pos). Positions at or past kv_len are not read. Returns
+    attends to positions 0..pos). table and pos may be strided views (the CUDA graphs' input
+    buffer). Positions at or past kv_len are not read. Returns
     [B, H, 1, D] in q's dtype."""
     b, n_heads, _, d = q.shape
     n_kv = k_pool.shape[1]
@@ -120,7 +121,7 @@ def paged_decode_attention(
     _split_kernel[(b, n_kv, n_splits)](
         q2, k_pool, v_pool, table, pos, acc, m, l,
         q2.stride(0), q2.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
-        v_pool.stride(1), table.stride(0),
+        v_pool.stride(1), table.stride(0), pos.stride(0),
         kv_len, window, d ** -0.5,
         REP=rep, REP_PAD=_pad(rep), D=d, PAGE=page, SPLIT_LEN=SPLIT_LEN, N_SPLITS=n_splits,
         # float32 stays float32 (Triton's default would round it to TF32); half types ignore it.

@@ -51,10 +51,14 @@ def check_op(dtypes=((torch.float32, 1e-5), (torch.float16, 2e-3)), device="cpu"
             v_pool = torch.randn(n_pages * PAGE, kv, d, dtype=dtype, device=device)
             table = torch.randperm(n_pages, device=device)[: pages * len(pos)].view(len(pos), pages)
             q = torch.randn(len(pos), h, 1, d, dtype=dtype, device=device)
-            p = torch.tensor(pos, device=device)
+            # Positions and tables as strided views of one buffer, as the CUDA graphs pass them.
+            packed = torch.zeros(len(pos), 3 + pages, dtype=torch.long, device=device)
+            packed[:, 1], packed[:, 3:] = torch.tensor(pos, device=device), table
+            p, table = packed[:, 1], packed[:, 3:]
             out = paged_decode_attention(q, k_pool, v_pool, table, p, kv_len, PAGE, window)
             assert out.shape == q.shape and out.dtype == dtype
             expected = reference(q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), pos, window)
+            assert len(pos) == 1 or not p.is_contiguous()
             err = (out.float().cpu() - expected).abs().max().item()
             assert err < tol, (dtype, h, kv, d, pos, kv_len, window, err)
 

@@ -113,7 +113,8 @@ async def test_generations_give_their_slot_back_finished_failed_or_abandoned():
     worker = EngineWorker("test", max_queue=0)  # one sequence at a time and no queue
     await worker.load(lambda: Failing(reply="abc", max_batch=1))
     params = SamplingParams(max_tokens=50)
-    texts = [e.text async for e in worker.generate([1, 2], params) if isinstance(e, Step)]
+    texts = [e.text async for batch in worker.generate([1, 2], params) for e in batch
+             if isinstance(e, Step)]
     assert "".join(texts) == "abc"
     assert await settled(worker) == 0
     with pytest.raises(RuntimeError, match="mid-stream"):
@@ -121,14 +122,15 @@ async def test_generations_give_their_slot_back_finished_failed_or_abandoned():
             pass
     assert await settled(worker) == 0
     gen = worker.generate([1, 2], params)
-    assert (await gen.__anext__()).text == "a"
+    assert (await gen.__anext__())[0].text == "a"
     await gen.aclose()  # the client went away after one token
     assert await settled(worker) == 0
     with pytest.raises(ContextLengthExceeded):  # refused by the runtime before any token
         async for _ in worker.generate([1] * 600, params):
             pass
     assert await settled(worker) == 0
-    texts = [e.text async for e in worker.generate([1, 2], params) if isinstance(e, Step)]
+    texts = [e.text async for batch in worker.generate([1, 2], params) for e in batch
+             if isinstance(e, Step)]
     assert "".join(texts) == "abc"
     worker.close()
 
