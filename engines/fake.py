@@ -72,7 +72,7 @@ class FakeEngine(GenerationEngine):
         kv_bytes_per_token: int = 0,
         max_batch: int = 1,
         kv_tokens: int | None = None,
-        max_prefill_tokens: int = 512,
+        max_prefill_tokens: int | None = None,
     ):
         self.name = name
         self.reply = reply
@@ -87,7 +87,7 @@ class FakeEngine(GenerationEngine):
         self.steps: list[int] = []  # how many rows each step carried
         tokens = kv_tokens if kv_tokens is not None else max_batch * context_length
         self.init_runtime(BlockPool(-(-tokens // 16), 16, kv_bytes_per_token),
-                          max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+                          max_batch=max_batch, max_prefill_tokens=max_prefill_tokens or 512)
         self.info = EngineInfo(
             engine=name, device="cpu", dtype="none", context_length=context_length,
             backend_version="fake 0",

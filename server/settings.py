@@ -65,9 +65,10 @@ class Settings(BaseSettings):
     max_batch: int = Field(
         32, ge=1, le=1024, description="Sequences an engine decodes at once (its running batch)"
     )
-    max_prefill_tokens: int = Field(
-        512, ge=16, description="Prompt tokens prefilled per step; longer prompts go in chunks "
-        "between decode steps, so running streams keep flowing",
+    max_prefill_tokens: int | None = Field(
+        None, ge=16, description="Prompt tokens prefilled per step; longer prompts go in chunks "
+        "between decode steps, so running streams keep flowing (default: 2048 on CUDA, 512 "
+        "elsewhere)",
     )
     kv_cache_memory: int | None = Field(
         None, ge=1, description="Bytes of KV cache per engine (e.g. 2GiB, 512MB); default: "

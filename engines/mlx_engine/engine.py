@@ -18,9 +18,9 @@ from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..model_config import attention_window
 from ..runtime.sizing import (
     DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_PREFILL_TOKENS,
     describe_pool,
     fit_context,
+    prefill_budget,
     pool_info,
     size_pool,
 )
@@ -61,7 +61,7 @@ class MLXEngine(GenerationEngine):
 
     def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto",
                  kv_cache_memory: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+                 max_prefill_tokens: int | None = None):
         from mlx_lm.utils import load_model
 
         started = time.perf_counter()
@@ -92,7 +92,8 @@ class MLXEngine(GenerationEngine):
         # The runtime's account of mlx-lm's caches, which grow in steps of 256 tokens: the
         # bound holds to within a step per sequence.
         self.context_length = fit_context(context_length, pool, "mlx")
-        self.init_runtime(pool, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+        self.init_runtime(pool, max_batch=max_batch,
+                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device))
         self.tokenizer = ChatTokenizer(model_dir)
         self.meter = MLXMeter()
         self.info = EngineInfo(

@@ -34,6 +34,11 @@ class RowSampling:
         return cls(params.temperature, params.top_k, params.top_p, seed)
 
 
+# A decode row's token when the step that sampled it has not been read back yet (a pipelined
+# executor): the executor feeds the token it sampled for this sequence last step.
+PENDING = -1
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq_id: int
@@ -77,6 +82,11 @@ class StepExecutor(Protocol):
     chunked_prefill: bool
 
     def step(self, plan: StepPlan) -> StepOutput: ...
+
+    # A pipelined executor launches a step and reads it back later (launch(), collect()), so
+    # the runtime plans and launches step N+1 before it handles step N's tokens: the host's
+    # work overlaps the device's. Its decode rows may carry PENDING.
+    pipelined: bool
 
     def release(self, seq_ids: Sequence[int]) -> None:
         """Drop these sequences' state now (a failed step, or the executor's end)."""

@@ -48,12 +48,15 @@ class Runtime:
                  max_prefill_tokens: int | None = None):
         self.engine = engine
         self.executor = engine.executor()
+        self.pipelined = getattr(self.executor, "pipelined", False)
         self.scheduler = Scheduler(
             engine.kv_pool,
             max_batch=max_batch or engine.max_batch,
             max_prefill_tokens=max_prefill_tokens or engine.max_prefill_tokens,
             chunked_prefill=self.executor.chunked_prefill,
+            pipelined=self.pipelined,
         )
+        self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}
         self._ids = engine.seq_ids
         self._meter = getattr(engine, "meter", None)
@@ -65,7 +68,7 @@ class Runtime:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     @property
     def running(self) -> int:
@@ -89,7 +92,10 @@ class Runtime:
         self._live[seq.seq_id] = _Live(sub, seq, out)
 
     def step(self) -> None:
-        """One step: drop what was stopped, run the plan, hand every request its events."""
+        """One step: drop what was stopped, run the plan, hand every request its events.
+
+        Pipelined, the step is launched before the last one is read back: the host handles
+        the last step's tokens (detokenizing, stops, events) while the device runs this one."""
         self._stop_requested()
         plan = self.scheduler.schedule()
         for row in plan.rows:
@@ -101,35 +107,58 @@ class Runtime:
                     live.sub.on_start()
         self.last_batch = len(self.scheduler.running)
         # An executor that answers late (MLX) still has work while its sequences await tokens.
-        if not plan and not self.scheduler.running:
+        if not plan and not self.scheduler.running and self._launched is None:
             return
         if self._meter is not None:
             self._meter.reset()
         started = time.perf_counter()
-        try:
-            output = self.executor.step(plan)
-        except Exception as exc:
-            self._fail(plan, exc)
-            return
-        executed = time.perf_counter()
+        if not self.pipelined:
+            try:
+                output = self.executor.step(plan)
+            except Exception as exc:
+                self._fail(plan, exc)
+                return
+            executed = time.perf_counter()
+            self._handle(plan, output)
+        else:
+            last, self._launched = self._launched, None
+            if plan:
+                try:
+                    self._launched = (plan, self.executor.launch(plan))
+                except Exception as exc:
+                    self._fail(plan, exc)
+            executed = time.perf_counter()
+            if last is not None:
+                try:
+                    output = self.executor.collect(last[1])
+                except Exception as exc:
+                    self._fail(last[0], exc)
+                    return
+                executed = time.perf_counter()
+                self._handle(last[0], output)
+        self.execute_s = 0.9 * self.execute_s + 0.1 * (executed - started)
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started)
+
+    def _handle(self, plan: StepPlan, output) -> None:
         peak = self._meter.peak_bytes() if self._meter is not None else 0
         sampled = self.scheduler.update(plan, output)
         for live in self._live.values():
             if live.started:
                 live.out.peak_memory_bytes = max(live.out.peak_memory_bytes, peak)
         for seq, token in sampled:
-            live = self._live[seq.seq_id]
+            live = self._live.get(seq.seq_id)
+            if live is None:
+                continue
             for event in live.out.add(token):
                 live.sub.emit(event)
             if live.out.done:
                 self._finish(live)
-        self.execute_s = 0.9 * self.execute_s + 0.1 * (executed - started)
-        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started)
 
     def stop_all(self) -> None:
         """End every request now, as cancelled (shutdown, or a one-off caller that left)."""
         for live in list(self._live.values()):
             self._finish(live, "cancelled")
+        self._launched = None  # its tokens have nobody left to go to
         released = self.scheduler.take_released()
         if released:
             self.executor.release(released)

@@ -14,6 +14,10 @@ Rules:
   at admission; decoding takes one more block every block_size tokens. When none is free, the
   newest running sequence is preempted: its blocks return to the pool and it goes back to the
   head of the queue, to be prefilled again (prompt and generated tokens) when blocks free up.
+- A pipelined executor runs a step before the host has read the last one's tokens: a sequence
+  then has a token in flight, which its next decode row feeds as PENDING (the executor takes it
+  from the device), and it is not scheduled past max_tokens. A sequence is never re-admitted
+  with a token in flight.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ..base import SamplingParams
 from .kv import BlockPool
-from .plan import RowSampling, ScheduledSeq, StepOutput, StepPlan
+from .plan import PENDING, RowSampling, ScheduledSeq, StepOutput, StepPlan
 
 
 @dataclass(eq=False)
@@ -37,7 +41,8 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     generated: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    computed: int = 0  # how many of tokens() the executor has been fed (their KV exists)
+    computed: int = 0  # how many tokens the executor has been fed (their KV exists or will)
+    inflight: int = 0  # tokens sampled by a launched step that the host has not read yet
     first_scheduled: float | None = None
     peak_blocks: int = 0
     preemptions: int = 0
@@ -47,18 +52,33 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        return len(self.prompt) + len(self.generated)
+        """Tokens the sequence has or will have once its in-flight token is read."""
+        return len(self.prompt) + len(self.generated) + self.inflight
+
+    def feed(self, start: int, n: int) -> tuple[int, ...]:
+        """tokens()[start:start + n] without building tokens(); PENDING for the in-flight one."""
+        p = len(self.prompt)
+        if start + n <= p:
+            return tuple(self.prompt[start : start + n])
+        out = tuple(self.prompt[start:p]) + tuple(self.generated[max(0, start - p) : start + n - p])
+        return out + (PENDING,) * (n - len(out))
+
+    @property
+    def at_limit(self) -> bool:
+        """Its last token is sampled or in flight: nothing more to schedule."""
+        return len(self.generated) + self.inflight >= self.params.max_tokens
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
-                 chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter):
+                 chunked_prefill: bool = True, pipelined: bool = False, clock: Callable[[], float] = time.perf_counter):
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be at least 1")
         self.pool = pool
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill
+        self.pipelined = pipelined
         # An executor that prefills on its own terms may compute a sequence's next token before
         # it reports the last one: keep a token of room ahead for it.
         self._lag = 0 if chunked_prefill else 1
@@ -66,6 +86,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._released: list[int] = []
+        self._awaited: dict[int, Sequence] = {}  # seq id -> a sequence with tokens in flight
 
     @property
     def has_work(self) -> bool:
@@ -86,6 +107,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.blocks)
+        self._awaited.pop(seq.seq_id, None)  # a token still in flight is dropped
+        seq.inflight = 0
 
     def take_released(self) -> list[int]:
         """The sequences gone since the last plan, for an executor told outside a step."""
@@ -99,6 +122,11 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             pending = seq.length - seq.computed
+            if seq.inflight and (seq.at_limit or not self.pipelined):
+                # Its last token is in flight (it ends once that is read), or the executor
+                # answers late and has not answered yet.
+                i += 1
+                continue
             n = 1 if pending == 1 else self._chunk(pending, budget, bool(rows))
             if not self._make_room(seq, seq.computed + n + self._lag):
                 continue  # seq itself was preempted; the list shifted under i
@@ -112,19 +140,22 @@ class Scheduler:
         for seq, n in rows:
             row = self._row(seq, n)
             (decode if n == 1 and seq.computed > 0 else prefill).append(row)
+            seq.computed = row.end  # fed from now on: a pipelined step may not be read yet
+            if row.sample:
+                seq.inflight += 1
+                self._awaited[seq.seq_id] = seq
         return StepPlan(tuple(prefill), tuple(decode), tuple(self.take_released()))
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, int]]:
-        """Record what the step did; returns (sequence, token) for every token sampled."""
-        by_id = {seq.seq_id: seq for seq in self.running}
-        for row in plan.rows:
-            seq = by_id.get(row.seq_id)
-            if seq is not None:
-                seq.computed = max(seq.computed, row.end)
+        """Record the tokens a step sampled; returns (sequence, token) for each one whose
+        sequence is still here (running, or preempted while its token was in flight)."""
         sampled = []
         for seq_id, token in output.tokens.items():
-            seq = by_id.get(seq_id)
+            seq = self._awaited.get(seq_id)
             if seq is not None:
+                seq.inflight -= 1
+                if not seq.inflight:
+                    del self._awaited[seq_id]
                 seq.generated.append(token)
                 sampled.append((seq, token))
         return sampled
@@ -138,6 +169,8 @@ class Scheduler:
     def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            if seq.inflight:
+                return  # preempted with a token in flight: it is read before the next step
             pending = seq.length
             n = 1 if pending == 1 else self._chunk(pending, budget, bool(rows))
             # The whole prompt's blocks are taken now, so its later chunks never stall.
@@ -173,8 +206,8 @@ class Scheduler:
 
     def _row(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.computed
-        tokens = seq.tokens()[start : start + n]
         return ScheduledSeq(
-            seq_id=seq.seq_id, tokens=tuple(tokens), start=start, blocks=tuple(seq.blocks),
-            sample=start + n == seq.length, sampling=seq.sampling, draws=len(seq.generated),
+            seq_id=seq.seq_id, tokens=seq.feed(start, n), start=start, blocks=tuple(seq.blocks),
+            sample=start + n == seq.length, sampling=seq.sampling,
+            draws=len(seq.generated) + seq.inflight,
         )

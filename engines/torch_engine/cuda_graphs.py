@@ -17,15 +17,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..runtime.plan import ScheduledSeq
+from ..runtime.plan import PENDING, ScheduledSeq
 from .paged import PagedBatch, PagedKV
 from .sampling import argmax_in_chunks
 
 log = logging.getLogger("duet.engines.torch")
 
 MIN_ATTENTION = 256
-# Columns of the input buffer before a row's block table.
-TOKEN, POSITION, WRITE, TABLE = 0, 1, 2, 3
+# Columns of the input buffer before a row's block table. SOURCE: where a PENDING token is in
+# the last step's picks (-1: the token is in TOKEN).
+TOKEN, POSITION, WRITE, SOURCE, TABLE = 0, 1, 2, 3, 4
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -86,8 +87,12 @@ class GraphDecoder:
         width = TABLE + self.pages
         self.inputs = torch.zeros(max_batch, width, dtype=torch.long, device=device)
         self.inputs[:, WRITE] = kv.trash  # until rows arrive, any write lands in the trash
-        self._host = torch.zeros(max_batch, width, dtype=torch.long,
-                                 pin_memory=device.startswith("cuda"))
+        # Two pinned host buffers, filled through numpy, that take turns: a step's copy to the
+        # device is asynchronous, and the next step is filled before it has surely run (the
+        # runtime reads step N back only after launching N+1); N+2 reuses N's buffer after.
+        self._hosts = [torch.zeros(max_batch, width, dtype=torch.long,
+                                   pin_memory=device.startswith("cuda")) for _ in range(2)]
+        self._turn = 0
         self._last = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.graphs = graphs or CudaGraphs()
         self._graphs: dict[tuple[int, int], tuple[Callable[[], None], tuple]] = {}
@@ -134,23 +139,37 @@ class GraphDecoder:
         self._graphs[(b, kv_len)] = captured
         return captured
 
-    def run(self, rows: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: Sequence[ScheduledSeq], last=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, V] and greedy ids [n] of n decode rows (views into the graph's outputs:
-        read them before the next step)."""
+        read them before the next step). last: (picks, seq id -> index) of the step before,
+        where rows whose token is PENDING find it."""
         n = len(rows)
         b = smallest(self.batches, n)
         kv_len = smallest(self.lengths, max(r.end for r in rows))
         width = TABLE + -(-kv_len // self.page)
-        host = self._host[:b, :width]
-        values = []
-        for r in rows:
+        host_t = self._hosts[self._turn]
+        self._turn ^= 1
+        host = host_t.numpy()
+        host[:b, :width] = 0
+        host[n:b, WRITE] = self.kv.trash
+        host[:b, SOURCE] = -1
+        pending = False
+        for i, r in enumerate(rows):
             pos = r.start
-            slot = r.blocks[pos // self.page] * self.page + pos % self.page
-            values.append([r.tokens[0], pos, slot, *r.blocks][:width])
-            values[-1] += [0] * (width - len(values[-1]))
-        values += [[0, 0, self.kv.trash] + [0] * (width - TABLE)] * (b - n)
-        host.copy_(torch.tensor(values, dtype=torch.long))
-        self.inputs[:b, :width].copy_(host, non_blocking=True)
+            token = r.tokens[0]
+            if token == PENDING:
+                host[i, SOURCE] = last[1][r.seq_id]
+                token, pending = 0, True
+            blocks = r.blocks[: width - TABLE]
+            host[i, :TABLE] = (token, pos, blocks[pos // self.page] * self.page + pos % self.page,
+                               host[i, SOURCE])
+            host[i, TABLE : TABLE + len(blocks)] = blocks
+        inputs = self.inputs[:b, :width]
+        inputs.copy_(host_t[:b, :width], non_blocking=True)
+        if pending:
+            source = inputs[:, SOURCE]
+            taken = last[0].index_select(0, source.clamp(min=0))
+            inputs[:, TOKEN] = torch.where(source >= 0, taken, inputs[:, TOKEN])
         replay, (logits, greedy) = self._graphs.get((b, kv_len)) or self._capture(b, kv_len)
         replay()
         return logits[:n], greedy[:n]

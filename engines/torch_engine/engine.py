@@ -22,9 +22,9 @@ from ..device import (
 from ..generation import GenerationEngine, warm_up
 from ..runtime.sizing import (
     DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_PREFILL_TOKENS,
     describe_pool,
     fit_context,
+    prefill_budget,
     pool_info,
     size_pool,
 )
@@ -54,7 +54,7 @@ class TorchEngine(GenerationEngine):
         mps_memory_fraction: float | None = None,
         kv_cache_memory: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
-        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_prefill_tokens: int | None = None,
     ):
         started = time.perf_counter()
         model_dir = Path(model_dir)
@@ -78,7 +78,8 @@ class TorchEngine(GenerationEngine):
         self.model.setup_rope(self.context_length)
         self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, args.num_kv_heads,
                           args.head_dim, torch_dtype(self.dtype), self.device)
-        self.init_runtime(pool, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens)
+        self.init_runtime(pool, max_batch=max_batch,
+                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device))
         self.decoder = make_decoder(self.model, self.kv, self.device, compile, max_batch)
         self.tokenizer = ChatTokenizer(model_dir)
         self.meter = memory_meter(self.device)

@@ -36,16 +36,25 @@ class TorchExecutor:
         self.model, self.kv, self.device = model, kv, device
         self.window = model.args.sliding_window
         self.decoder = decoder  # CUDA graphs for decode rows (cuda_graphs.GraphDecoder)
+        # With graphs the step is pipelined: launched before the last one is read back, its
+        # decode rows' PENDING tokens taken on the device from the last step's picks.
+        self.pipelined = decoder is not None
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
+        self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
+        self._readback = ReadBack(device)
 
     def step(self, plan: StepPlan) -> StepOutput:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan):
+        """Queue the step's work on the device; collect() reads its tokens."""
         with torch.inference_mode():
             logits, greedy, due = [], [], []
             for rows in (plan.prefill, plan.decode):
                 if not rows:
                     continue
                 if rows is plan.decode and self.decoder is not None:
-                    out, picks = self.decoder.run(rows)
+                    out, picks = self.decoder.run(rows, self._last)
                 else:
                     out = self._forward(rows)
                     picks = None
@@ -56,7 +65,7 @@ class TorchExecutor:
                     greedy.append(picks if picks is None or whole else picks[keep])
                     due += [rows[i] for i in keep]
             if not due:
-                return StepOutput({})
+                return (), None
             if self.on_logits is not None:
                 self.on_logits(due, torch.cat(logits))
             if all(r.sampling.greedy for r in due):
@@ -64,8 +73,15 @@ class TorchExecutor:
                                     for x, g in zip(logits, greedy)])
             else:
                 tokens = sample_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
-            # The step's one host sync: the ids go out to the streams.
-            return StepOutput(dict(zip((r.seq_id for r in due), tokens.tolist())))
+            ids = tuple(r.seq_id for r in due)
+            self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
+            return ids, self._readback.start(tokens)
+
+    def collect(self, handle) -> StepOutput:
+        ids, pending = handle
+        if not ids:
+            return StepOutput({})
+        return StepOutput(dict(zip(ids, self._readback.finish(pending))))
 
     def _forward(self, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
         batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
@@ -74,3 +90,34 @@ class TorchExecutor:
 
     def release(self, seq_ids) -> None:
         pass  # a row carries all its state: nothing is kept between steps
+
+
+class ReadBack:
+    """A step's token ids to the host without stalling the device: on CUDA an asynchronous
+    copy into one of two pinned buffers and an event, waited on only when the ids are read
+    (by then the device is running the next step). Two buffers, since step N+1's copy is
+    queued before step N's ids are read. Elsewhere the ids are read at once."""
+
+    def __init__(self, device: str, capacity: int = 1024):
+        self.cuda = device.startswith("cuda")
+        self._buffers = [torch.zeros(capacity, dtype=torch.long, pin_memory=True)
+                         for _ in range(2)] if self.cuda else []
+        self._turn = 0
+
+    def start(self, tokens: torch.Tensor):
+        if not self.cuda or tokens.numel() > self._buffers[0].numel():
+            return tokens.tolist()
+        buffer = self._buffers[self._turn][: tokens.numel()]
+        self._turn ^= 1
+        buffer.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buffer, done
+
+    @staticmethod
+    def finish(pending) -> list[int]:
+        if isinstance(pending, list):
+            return pending
+        buffer, done = pending
+        done.synchronize()
+        return buffer.tolist()

@@ -9,6 +9,7 @@ import torch
 from engines.base import SamplingParams
 from engines.runtime.runtime import Runtime
 from engines.torch_engine import TorchEngine
+from engines.runtime.plan import PENDING
 from engines.torch_engine import cuda_graphs
 from tests.engines.test_batching import GREEDY, PROMPTS, alone, run_together
 
@@ -67,3 +68,66 @@ def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, 
     engine_solo = alone(engine, PROMPTS[0], params)
     got, _ = run_together(runtime, [(PROMPTS[0], params), (PROMPTS[3], GREEDY[3])])
     assert got[0] == engine_solo
+
+
+def graph_engine(tiny_dirs, family="llama", max_batch=3, **options):
+    engine = TorchEngine(tiny_dirs[family][0], context_length=96, dtype="float32", device="cpu",
+                         **options)
+    engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=max_batch,
+                                              graphs=ReplayedGraphs())
+    return engine
+
+
+def test_pipelined_steps_feed_the_last_pick_from_the_device(tiny_dirs, monkeypatch):
+    """With graphs, step N+1 is launched before step N is read: its decode rows carry PENDING
+    and take their token from step N's picks. Each request still gets exactly its solo tokens,
+    max_tokens of them, and every block comes back."""
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = graph_engine(tiny_dirs)
+    solo = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    assert runtime.pipelined
+    fed = []
+    run = engine.decoder.run
+    engine.decoder.run = lambda rows, last=None: (fed.extend(r.tokens[0] for r in rows),
+                                                  run(rows, last))[1]
+    got, stats = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+    assert got == solo
+    assert [s.completion_tokens for s in stats] == [g.max_tokens for g in GREEDY]
+    assert fed.count(PENDING) > len(fed) // 2  # most decode rows ran before their token was read
+    assert engine.kv_pool.used_blocks == 0
+
+
+def test_pipelined_preemption_and_abort(tiny_dirs, monkeypatch):
+    """A pool too small for three: the newest is preempted while a token of it is in flight,
+    comes back with that token and still gets its solo tokens; a request stopped mid-way frees
+    its blocks and the others go on."""
+    from engines.runtime.kv import BlockPool
+    from engines.runtime.runtime import Submission
+
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = graph_engine(tiny_dirs)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    jobs = [(PROMPTS[i], params) for i in (0, 3, 4)]
+    solo = [alone(engine, p, params) for p, _ in jobs]
+    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    preempted = []
+    preempt = runtime.scheduler._preempt
+    runtime.scheduler._preempt = lambda seq: (preempted.append(seq.inflight), preempt(seq))
+    got, _ = run_together(runtime, jobs)
+    assert got == solo
+    assert preempted and max(preempted) == 1  # preempted with a token in flight
+    assert engine.kv_pool.used_blocks == 0
+
+    stop = [False]
+    events = []
+    runtime.add(Submission(list(PROMPTS[0]), params, events.append, lambda: stop[0]))
+    for _ in range(5):
+        runtime.step()
+    stop[0] = True
+    while runtime.has_work:
+        runtime.step()
+    assert events[-1].finish_reason == "cancelled"
+    assert 0 < events[-1].completion_tokens < 40
+    assert engine.kv_pool.used_blocks == 0

@@ -122,3 +122,17 @@ def test_ignore_eos_keeps_going():
     ids = [65, EOS, 66]
     text, stats = _run(ids, SamplingParams(max_tokens=3, ignore_eos=True))
     assert stats.completion_tokens == 3 and stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_rust_stream_gives_the_windowed_deltas(byte_bpe, text):
+    """The fast path (tokenizers' DecodeStream) releases the same text at the same tokens as
+    the windowed decodes it replaces."""
+    ids = byte_bpe.encode(text)
+    fast = IncrementalDetokenizer(byte_bpe)
+    assert fast._stream is not None
+    slow = IncrementalDetokenizer(byte_bpe)
+    slow._stream = None
+    assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids]
+    assert fast.flush() == slow.flush()
+
