@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import uvicorn
 
@@ -12,6 +13,11 @@ from .settings import Settings
 # uvicorn's own cancellation after the grace period is only a last resort: duet ends every
 # request itself when the grace period expires, and that takes well under this margin.
 SHUTDOWN_BACKSTOP_S = 5.0
+# How long a thread may keep the GIL while another waits for it. The engine's loop thread
+# waits on the device with the GIL released, then needs it back at once to launch the next
+# step; at CPython's default of 5 ms the event loop, busy with many streams, kept it that
+# long (H200, 64 clients: 4.3 ms steps in the server against 1.4 ms alone).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class DuetServer(uvicorn.Server):
@@ -34,6 +40,7 @@ class DuetServer(uvicorn.Server):
 
 def build_server(app, settings: Settings, *, port: int | None = None,
                  http: str = "auto") -> DuetServer:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port if port is None else port,
         log_level=settings.log_level,
