@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engines.bench import core
 from engines.bench.report import device_label, environment
 from engines.bench.systems import REFERENCES, ReferenceTarget
-from engines.base import ContextLengthExceeded, EngineError
+from engines.base import ContextLengthExceeded, EngineError, check_context
 from engines.factory import backend_available, backend_missing
 from engines.sources import resolve_model_dir
 
@@ -281,9 +281,10 @@ def _check_fits(prompt_ids: list[list[int]], max_tokens: int, context: int) -> N
     for ids in prompt_ids:
         if not ids:
             raise bad_request("a prompt is empty once tokenized", param="prompts")
-        if len(ids) + max_tokens > context:
-            err = from_engine_error(ContextLengthExceeded(len(ids), max_tokens, context))
-            raise _with_param(err, "prompts")
+        try:
+            check_context(len(ids), max_tokens, context)
+        except ContextLengthExceeded as exc:
+            raise _with_param(from_engine_error(exc), "prompts") from exc
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
