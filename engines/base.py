@@ -152,6 +152,13 @@ class ContextLengthExceeded(EngineError):
         self.context_length = context_length
 
 
+def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    """The context rule, the one place it is written: the prompt's tokens plus the tokens asked
+    for must fit the context (exactly filling it is allowed), else ContextLengthExceeded."""
+    if prompt_tokens + max_tokens > context_length:
+        raise ContextLengthExceeded(prompt_tokens, max_tokens, context_length)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine provides. Calls are made from one worker thread at a time."""

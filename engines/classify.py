@@ -23,12 +23,12 @@ from contextlib import contextmanager
 from .base import (
     ClassificationResult,
     ClassifyParams,
-    ContextLengthExceeded,
     InputClassification,
     LabelScore,
     RequestStats,
     StopCheck,
     UnsupportedModel,
+    check_context,
 )
 
 CONTENT_FREE_INPUT = ""
@@ -177,8 +177,7 @@ def zero_shot(
     continuations = label_continuations(engine, params.instruction, labels)
     longest = max(len(c) for c in continuations)
     for p in prompts:
-        if len(p) + longest > engine.context_length:
-            raise ContextLengthExceeded(len(p), longest, engine.context_length)
+        check_context(len(p), longest, engine.context_length)
 
     per_listing = [
         engine.score_continuations(group, continuations, should_stop)

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 from .base import (
     ClassificationResult,
     ClassifyParams,
-    ContextLengthExceeded,
     GenerationEvent,
     SamplingParams,
+    check_context,
 )
 from .runtime.kv import BlockPool
 from .runtime.solo import generate_one
@@ -77,8 +77,7 @@ class GenerationEngine:
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """The context rule, for every engine: prompt plus completion within the context."""
-        if prompt_tokens + max_tokens > self.context_length:
-            raise ContextLengthExceeded(prompt_tokens, max_tokens, self.context_length)
+        check_context(prompt_tokens, max_tokens, self.context_length)
 
     def kv_cache_bytes(self) -> int:
         """The KV pool's bytes in use now (by every running sequence)."""

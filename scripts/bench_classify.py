@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_engines import model_dir  # noqa: E402
-from engines import benchmark as core  # noqa: E402
+from engines.bench import report  # noqa: E402
 from engines.base import ClassifyParams  # noqa: E402
 
 DATA = [ROOT / "tests/data/sentiment.jsonl", ROOT / "tests/data/sentiment_dev.jsonl"]
@@ -99,14 +99,14 @@ def main(argv=None) -> int:
             print(f"{r['engine']:6} calibrate={str(calibrate):5} accuracy {r['accuracy']:.1%}  "
                   f"{r['classifications_per_s']:.2f} classifications/s (median {r['median_s']:.2f}s)")
     meta = {
-        "date": dt.date.today().isoformat(), "device": core.device_name("cpu"),
-        "versions": core.versions(), "inputs": len(rows), "repeats": args.repeats,
+        "date": dt.date.today().isoformat(), "device": report.device_name("cpu"),
+        "versions": report.versions(), "inputs": len(rows), "repeats": args.repeats,
         "command": "python scripts/bench_classify.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "classify-default-cpu.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=2))
-    core.write_marked_section(args.md, "classify-default-cpu", markdown(meta, results))
+    report.write_marked_section(args.md, "classify-default-cpu", markdown(meta, results))
     return 0
 
 

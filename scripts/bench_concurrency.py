@@ -227,13 +227,13 @@ def reference_runs(args, levels: list[int]) -> dict:
     for name in args.reference:
         runs = {}
         if name == "transformers":
-            from engines.benchmark import HFStaticCompile
+            from engines.bench.systems import HFStaticCompile
 
             system = HFStaticCompile(args.device)
             system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)
             batch_run = system.run_batch
         else:
-            from engines.benchmark import MLXLMGenerate
+            from engines.bench.systems import MLXLMGenerate
 
             system = MLXLMGenerate()
             system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)

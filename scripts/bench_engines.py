@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines import benchmark as core  # noqa: E402
+from engines.bench import core, report, systems  # noqa: E402
 
 
 def model_dir(model: str, cache: Path) -> Path:
@@ -46,14 +46,14 @@ def gpu_check(path: Path, dtype: str, context: int, steps: int = 64) -> dict:
     from engines.torch_engine import TorchEngine
 
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    prompt = core._prompt(128, 30000)
+    prompt = core.random_prompt(128, 30000)
     runs = {}
     for mode in ("auto", "off"):
         engine = TorchEngine(path, context_length=context, dtype=dtype, compile=mode)
         runs[mode] = [e.token_id for e in engine.generate(prompt, params)
                       if isinstance(e, Step) and e.finish_reason is None]
         engine = None
-        core._free_torch()
+        systems.free_torch()
     same = 0
     for a, b in zip(runs["auto"], runs["off"]):
         if a != b:
@@ -164,36 +164,36 @@ def main(argv=None) -> int:
     path = model_dir(args.model, args.cache)
     prompt_lens = [int(x) for x in args.prompts.split(",")]
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    bandwidth = core.copy_bandwidth(device)
-    wbytes = core.weight_bytes(path, dtype, device)
+    bandwidth = systems.copy_bandwidth(device)
+    wbytes = systems.weight_bytes(path, dtype, device)
     floor_tps = bandwidth / wbytes
-    print(f"device {core.device_name(device)}: copy {bandwidth / 1e9:.0f} GB/s; weights "
+    print(f"device {report.device_name(device)}: copy {bandwidth / 1e9:.0f} GB/s; weights "
           f"{wbytes / 2**30:.2f} GiB; floor {floor_tps:.0f} tok/s", flush=True)
 
-    systems = []
+    chosen = []
     for name in args.systems.split(","):
         if name == "duet-torch":
-            systems.append(core.DuetTorch(device, args.compile))
+            chosen.append(systems.DuetTorch(device, args.compile))
         elif name in ("hf-dynamic", "hf-static-compile"):
-            systems.append(core.SYSTEMS[name](device))
+            chosen.append(systems.SYSTEMS[name](device))
         else:
-            systems.append(core.SYSTEMS[name]())
+            chosen.append(systems.SYSTEMS[name]())
     # Interleaved: every system loaded together; otherwise one at a time, each freed before
     # the next loads (GPU memory), with the table so far printed after each.
     results = []
-    for group in [systems] if args.interleave else [[s] for s in systems]:
+    for group in [chosen] if args.interleave else [[s] for s in chosen]:
         results += core.run_systems(group, path, dtype, args.context, prompt_lens,
                                     args.new_tokens, args.repeats, vocab)
         print_table(table_rows(results, floor_tps), f"{args.model} so far")
 
     check = gpu_check(path, dtype, args.context) if args.check else None
     meta = {
-        "model": args.model, "device": device, "device_name": core.device_name(device),
-        "dtype": dtype, "date": dt.date.today().isoformat(), "versions": core.versions(),
+        "model": args.model, "device": device, "device_name": report.device_name(device),
+        "dtype": dtype, "date": dt.date.today().isoformat(), "versions": report.versions(),
         "copy_bandwidth_GBps": bandwidth / 1e9, "weight_bytes": wbytes,
         "floor_tokens_per_s": floor_tps, "context": args.context, "repeats": args.repeats,
         "new_tokens": args.new_tokens, "interleaved": args.interleave,
-        "kv_cache_bytes": core.kv_cache_bytes(path, dtype, device, args.context),
+        "kv_cache_bytes": systems.kv_cache_bytes(path, dtype, device, args.context),
         "command": "python scripts/bench_engines.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     rows = table_rows(results, floor_tps)
@@ -205,8 +205,8 @@ def main(argv=None) -> int:
         print(f"  compiled vs eager: {check}")
     key = re.sub(r"[^a-z0-9.-]+", "-", f"{args.model}-{device.split(':')[0]}-{dtype}-{args.tag}".lower()).strip("-")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{key}.json").write_text(core.results_json(results, {**meta, "ratios": ratio_map, "check": check}))
-    core.write_marked_section(args.md, key, markdown(meta, rows, ratio_map, check))
+    (args.out_dir / f"{key}.json").write_text(report.results_json(results, {**meta, "ratios": ratio_map, "check": check}))
+    report.write_marked_section(args.md, key, markdown(meta, rows, ratio_map, check))
     print(f"wrote {args.out_dir / (key + '.json')} and a section of {args.md}")
     return 0 if all(not math.isnan(r.median("decode_tokens_per_s")) for r in results) else 1
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_engines import model_dir  # noqa: E402
-from engines import benchmark as core  # noqa: E402
+from engines.bench import report  # noqa: E402
 from engines.base import Cancelled, ClassifyParams  # noqa: E402
 
 LABELS = tuple(f"label {i:02d} " + "about something rather specific, " * 3 for i in range(32))
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
         engine.close()
         rows.append((name, engine.info.dtype, statistics.median(latencies), max(latencies)))
         print(f"{name:6} stop latency median {rows[-1][2]:.3f} s, max {rows[-1][3]:.3f} s")
-    versions = core.versions()
+    versions = report.versions()
     md = [
-        f"### Stopping a classification, default model on {core.device_name('cpu')}, "
+        f"### Stopping a classification, default model on {report.device_name('cpu')}, "
         f"{dt.date.today().isoformat()}", "",
         "`.venv/bin/python scripts/bench_stop.py " + " ".join(argv or sys.argv[1:]) + "`", "",
         f"The largest classification the default limits allow (256 inputs x 32 labels of 100 "
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         "| engine | dtype | median (s) | max (s) |", "|---|---|---|---|",
     ]
     md += [f"| {n} | {d} | {m:.3f} | {x:.3f} |" for n, d, m, x in rows]
-    core.write_marked_section(args.md, "stop-latency-cpu", "\n".join(md) + "\n")
+    report.write_marked_section(args.md, "stop-latency-cpu", "\n".join(md) + "\n")
     return 0
 
 

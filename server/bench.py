@@ -20,8 +20,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engines import bench_core as core
-from engines.base import ContextLengthExceeded, EngineError
+from engines.bench import core
+from engines.bench.report import device_label, environment
+from engines.bench.systems import REFERENCES, ReferenceTarget
+from engines.base import ContextLengthExceeded, EngineError, check_context
 from engines.factory import backend_available, backend_missing
 from engines.sources import resolve_model_dir
 
@@ -89,7 +91,7 @@ class Target:
     kind: core.TargetKind
     worker: EngineWorker
     info: dict
-    reference: core.ReferenceTarget | None = None
+    reference: ReferenceTarget | None = None
 
 
 @dataclass
@@ -150,7 +152,7 @@ class BenchRun:
             "prompts": self._prompt_info(),
             "max_tokens": self.req.max_tokens, "repeats": self.req.repeats,
             "warmup": self.req.warmup, "targets": [t.info for t in self.targets.values()],
-            "references": list(self.req.references), "environment": core.environment(),
+            "references": list(self.req.references), "environment": environment(),
         }
 
     def _prompt_info(self) -> list[dict]:
@@ -158,7 +160,7 @@ class BenchRun:
                 for p, ids in zip(self.prompts, self.prompt_ids)]
 
     async def _load_reference(self, name: str) -> dict:
-        ref = core.ReferenceTarget(name, device=self.device)
+        ref = ReferenceTarget(name, device=self.device)
         worker = EngineWorker(f"bench-{name}", timeout_s=self.timeout_s)
         start = time.perf_counter()
         try:
@@ -170,7 +172,7 @@ class BenchRun:
             return _error(name, f"{type(exc).__name__}: {exc}")
         worker.engine = ref  # so that worker.close() tears it down on its thread
         info = {"name": name, "kind": "reference", **info,
-                "device_name": core.device_label(info["device"]),
+                "device_name": device_label(info["device"]),
                 "load_s": round(time.perf_counter() - start, 3)}
         self.targets[name] = Target(name, "reference", worker, info, ref)
         return {"type": "target", **info}
@@ -208,7 +210,7 @@ class BenchRun:
             "preset": None if self.req.prompts else self.req.preset,
             "prompts": self._prompt_info(), "max_tokens": self.req.max_tokens,
             "repeats": self.req.repeats, "warmup": self.req.warmup,
-            "cancelled": self.gone.is_set(), "environment": core.environment(),
+            "cancelled": self.gone.is_set(), "environment": environment(),
             "wall_s": round(time.time() - started, 3), **summary,
         }
 
@@ -238,7 +240,7 @@ class BenchService:
             raise bad_request("no engine backend is installed", param="engines",
                               code="engine_unavailable")
         for name in req.references:
-            backend = core.REFERENCES[name][1]
+            backend = REFERENCES[name][1]
             if not backend_available(backend):
                 raise _with_param(from_engine_error(backend_missing(backend)), "references")
         prompts = core.resolve_prompts(req.preset, req.prompts)
@@ -255,7 +257,7 @@ class BenchService:
             info = worker.engine.info
             targets[name] = Target(name, "engine", worker, {
                 "name": name, "kind": "engine", "device": info.device,
-                "device_name": core.device_label(info.device), "dtype": info.dtype,
+                "device_name": device_label(info.device), "dtype": info.dtype,
                 "backend_version": info.backend_version, "context_length": info.context_length,
             })
         return BenchRun(req, spec.id, lambda: resolve_model_dir(spec), spec.dtype,
@@ -279,9 +281,10 @@ def _check_fits(prompt_ids: list[list[int]], max_tokens: int, context: int) -> N
     for ids in prompt_ids:
         if not ids:
             raise bad_request("a prompt is empty once tokenized", param="prompts")
-        if len(ids) + max_tokens > context:
-            err = from_engine_error(ContextLengthExceeded(len(ids), max_tokens, context))
-            raise _with_param(err, "prompts")
+        try:
+            check_context(len(ids), max_tokens, context)
+        except ContextLengthExceeded as exc:
+            raise _with_param(from_engine_error(exc), "prompts") from exc
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

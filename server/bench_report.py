@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engines.benchmark import write_marked_section
+from engines.bench.report import write_marked_section
 
 MiB = 2**20
 COLUMNS = ["target", "device", "runs", "TTFT ms", "prefill tok/s", "decode tok/s", "peak MiB",

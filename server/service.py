@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engines.base import ContextLengthExceeded, Engine, EngineError, RequestStats, Step
+from engines.base import Engine, EngineError, RequestStats, Step, check_context
 
 from .errors import APIError, bad_request, from_engine_error
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -100,12 +100,10 @@ class GenerationService:
         context = engine.info.context_length
         asked = req.requested_max_tokens()
         if asked is None:
-            # OpenAI's default: as many as the context leaves.
-            if prompt_tokens >= context:
-                raise ContextLengthExceeded(prompt_tokens, 1, context)
+            # OpenAI's default: as many as the context leaves, at least one.
+            check_context(prompt_tokens, 1, context)
             return context - prompt_tokens
-        if prompt_tokens + asked > context:
-            raise ContextLengthExceeded(prompt_tokens, asked, context)
+        check_context(prompt_tokens, asked, context)
         return asked
 
     async def _stream_response(

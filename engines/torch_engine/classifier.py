@@ -16,12 +16,12 @@ from ..base import (
     StopCheck,
     check_stop,
     ClassifyParams,
-    ContextLengthExceeded,
     EngineInfo,
     InputClassification,
     LabelScore,
     RequestStats,
     UnsupportedModel,
+    check_context,
 )
 from ..classify import Pacer
 from ..device import choose_device, choose_dtype, memory_meter, torch_dtype
@@ -72,8 +72,7 @@ class SequenceClassifierEngine:
         texts = list(params.inputs)
         lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]]
         for n in lengths:
-            if n > self.context_length:
-                raise ContextLengthExceeded(n, 0, self.context_length)
+            check_context(n, 0, self.context_length)
         results = []
         pacer = Pacer()
         # A few inputs at a time, so that a stop is heard between two batches.

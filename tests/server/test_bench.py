@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from engines import bench_core
+from engines.bench import core as bench_core
 from engines.fake import ByteTokenizer, FakeEngine
 from server.app import create_app
 from server.settings import Settings

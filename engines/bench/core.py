@@ -1,28 +1,29 @@
-"""The bench core behind /bench and `duet bench`: which prompts, which runs in which order, how
-one run is measured, and how runs become a summary (medians, p90, ratios).
+"""The bench core behind /bench, `duet bench` and scripts/bench_engines.py: which prompts, which
+runs in which order, how one run is measured, and how runs become a summary (medians, p90,
+ratios).
 
-It knows nothing of threads or HTTP: a driver (server/bench.py) decides where each run executes.
-Targets are duet's engines (anything with generate()) and, on request, the reference systems of
-engines/benchmark.py (transformers generate(), mlx-lm's generate_step).
+It knows nothing of threads, HTTP or backends: a driver (server/bench.py, the scripts) decides
+where each run executes; the systems it times are those of engines/bench/systems.py, or anything
+with the same setup / run / teardown shape.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
-from .base import RequestStats, SamplingParams
+from ..base import RequestStats, SamplingParams
 
 TargetKind = Literal["engine", "reference"]
 METRICS = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes",
            "kv_cache_bytes", "total_s")
 # What a ratio "a / b" compares; for ttft and memory below 1 means a is better.
 RATIO_METRICS = ("decode_tokens_per_s", "prefill_tokens_per_s", "ttft_s", "peak_memory_bytes")
-# Reference name -> the system class name in engines/benchmark.py, and the engine whose
-# backend it needs (so it is offered only where that backend is installed).
-REFERENCES = {"transformers": ("HFGenerate", "torch"), "mlx-lm": ("MLXLMGenerate", "mlx")}
 
 
 # ---------------------------------------------------------------- prompts
@@ -151,53 +152,73 @@ def engine_run(engine, prompt_ids: Sequence[int], max_tokens: int,
     raise RuntimeError(f"the {engine.name} engine ended without statistics")
 
 
-class ReferenceTarget:
-    """A reference system of engines/benchmark.py behind the same run-and-measure shape."""
+# ---------------------------------------------------------------- a system's measurements
+@dataclass
+class Measurement:
+    ttft_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    peak_memory_bytes: int
 
-    kind: TargetKind = "reference"
 
-    def __init__(self, name: str, device: str = "auto"):
-        from . import benchmark
+@dataclass
+class Result:
+    system: str
+    prompt_tokens: int
+    new_tokens: int
+    runs: list[Measurement] = field(default_factory=list)
+    error: str | None = None
 
-        cls_name, self.backend = REFERENCES[name]
-        cls = getattr(benchmark, cls_name)
-        self.name = name
-        self.system = cls(device) if cls_name == "HFGenerate" else cls()
+    def median(self, key: str) -> float:
+        return statistics.median(getattr(m, key) for m in self.runs) if self.runs else float("nan")
 
-    def setup(self, model_dir, dtype: str, context: int) -> dict:
-        """Load the reference's own copy of the model; returns what it runs on."""
-        self.system.setup(model_dir, dtype, context)
-        from .benchmark import versions
 
-        v = versions()
-        if self.backend == "torch":
-            from .device import choose_dtype
+def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids drawn at random (seeded by n), for systems that take ids, not text."""
+    rng = random.Random(seed + n)
+    return [rng.randrange(3, min(vocab, 30000)) for _ in range(n)]
 
-            device = self.system.device
-            dtype = choose_dtype(dtype, device)
-            backend = f"transformers {v.get('transformers')}, torch {v.get('torch')}"
-        else:
-            from .mlx_engine.engine import choose_mlx_dtype, mlx_device
 
-            device = mlx_device()
-            dtype = choose_mlx_dtype(dtype, device)
-            backend = f"mlx {v.get('mlx')}, mlx-lm {v.get('mlx-lm')}"
-        return {"device": device, "dtype": dtype, "backend_version": backend}
+# ---------------------------------------------------------------- the timing loop
+def run_systems(systems, model_dir: Path, dtype: str, context: int, prompt_lens: list[int],
+                new_tokens: int, repeats: int, vocab: int, log=print) -> list[Result]:
+    """The systems loaded together and their runs taken in turn, so slow drifts of the
+    machine (clocks, host load) fall on all of them alike (pass one system to run it alone).
+    A system that fails keeps its error and never loses the others' numbers."""
+    results = {s.name: [Result(s.name, n, new_tokens) for n in prompt_lens] for s in systems}
 
-    def run(self, run: PlannedRun, prompt_ids: Sequence[int], max_tokens: int) -> RunRecord:
-        import time
+    def fail(system, exc: Exception) -> None:
+        log(f"{system.name}: failed: {type(exc).__name__}: {exc}")
+        for res in results[system.name]:
+            res.error = f"{type(exc).__name__}: {exc}"
 
-        start = time.perf_counter()
-        m = self.system.run(list(prompt_ids), max_tokens)
-        return RunRecord(
-            self.name, "reference", run.prompt, run.repeat, run.warmup, len(prompt_ids),
-            max_tokens, m.ttft_s, m.prefill_tokens_per_s, m.decode_tokens_per_s,
-            int(m.peak_memory_bytes), None, time.perf_counter() - start,
-        )
-
-    def close(self) -> None:
-        """Free the reference's model (the server calls this on the reference's thread)."""
-        self.system.teardown()
+    live = []
+    for system in systems:
+        try:
+            started = time.perf_counter()
+            system.setup(model_dir, dtype, context)
+            for res in results[system.name]:  # warm-up: compiles, graph captures, allocator growth
+                system.run(random_prompt(res.prompt_tokens, vocab), new_tokens)
+            log(f"{system.name}: set up and warmed up in {time.perf_counter() - started:.1f}s")
+            live.append(system)
+        except Exception as exc:
+            fail(system, exc)
+    try:
+        for i, n in enumerate(prompt_lens):
+            for _ in range(repeats):
+                for system in list(live):
+                    try:
+                        results[system.name][i].runs.append(system.run(random_prompt(n, vocab), new_tokens))
+                    except Exception as exc:
+                        fail(system, exc)
+                        live.remove(system)
+    finally:
+        for system in systems:
+            try:
+                system.teardown()
+            except Exception:
+                pass
+    return [r for s in systems for r in results[s.name]]
 
 
 # ---------------------------------------------------------------- summary
@@ -244,33 +265,3 @@ def summarize(targets: Sequence[str], records: Sequence[RunRecord],
             summary["error"] = errors[name]
         per_target[name] = summary
     return {"targets": per_target, "ratios": ratios(per_target)}
-
-
-def device_label(device: str) -> str:
-    """A readable name for an engine's device (cpu, cuda:0, mps, metal)."""
-    import platform
-
-    from .benchmark import device_name
-
-    if device in ("mps", "metal", "gpu"):
-        return f"Apple {platform.machine()} GPU ({device})"
-    try:
-        return device_name(device)
-    except Exception:  # a label is never a reason to fail a run
-        return device
-
-
-def environment() -> dict:
-    """Where the numbers come from: the host and the library versions."""
-    import platform
-
-    from .benchmark import versions
-
-    return {"host": f"{platform.system()} {platform.machine()}, {_cpu_count()} CPU cores",
-            "versions": versions()}
-
-
-def _cpu_count() -> int:
-    import os
-
-    return os.cpu_count() or 1

@@ -1,10 +1,14 @@
-"""The bench core: run order, statistics, prompts, and one run on each kind of target (duet's
-engines and the transformers / mlx-lm references) on a tiny random model."""
+"""engines/bench: run order, statistics, prompts, one run on each kind of target (duet's
+engines and the transformers / mlx-lm references) on a tiny random model, the report's labels,
+and the package's one-way imports."""
+
+import ast
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engines import bench_core as core
+from engines.bench import core, report, systems
 from engines.base import Cancelled
 from engines.fake import FakeEngine
 
@@ -80,7 +84,7 @@ def test_reference_runs_on_a_tiny_model(tiny_dirs, name):
     if name == "mlx-lm":
         pytest.importorskip("mlx_lm")
     path, _ = tiny_dirs["llama"]
-    ref = core.ReferenceTarget(name, device="cpu")
+    ref = systems.ReferenceTarget(name, device="cpu")
     info = ref.setup(path, "float32", 128)
     assert info["device"] == "cpu" and info["dtype"] == "float32"
     assert name.split("-")[0] in info["backend_version"]
@@ -94,7 +98,33 @@ def test_reference_runs_on_a_tiny_model(tiny_dirs, name):
 
 
 def test_device_label_names_the_hardware():
-    assert "CPU" in core.device_label("cpu")
-    assert "GPU" in core.device_label("metal")
-    env = core.environment()
+    assert "CPU" in report.device_label("cpu")
+    assert "GPU" in report.device_label("metal")
+    env = report.environment()
     assert "CPU cores" in env["host"] and {"python", "torch"} <= set(env["versions"])
+
+
+def test_marked_section_replaces_only_its_own_block(tmp_path):
+    md = tmp_path / "bench.md"
+    md.write_text("# Title\n")
+    report.write_marked_section(md, "a", "one\n")
+    report.write_marked_section(md, "b", "two\n")
+    report.write_marked_section(md, "a", "three\n")
+    assert md.read_text() == ("# Title\n\n<!-- bench:a -->\nthree\n<!-- /bench:a -->\n\n"
+                              "<!-- bench:b -->\ntwo\n<!-- /bench:b -->\n")
+
+
+def test_bench_modules_import_one_way_and_no_backend_at_import():
+    """core and report import neither of the other two; systems may import both. Backends are
+    imported inside functions only, so importing the package needs none of them."""
+    allowed = {"core": set(), "report": {"core"}, "systems": {"core", "report"}}
+    package = Path(systems.__file__).parent
+    for name, may in allowed.items():
+        tree = ast.parse((package / f"{name}.py").read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        siblings = {n.module for n in top if isinstance(n, ast.ImportFrom) and n.level == 1}
+        assert siblings <= may, (name, siblings - may)
+        modules = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.level == 0}
+        backends = {m for m in modules if m.split(".")[0] in ("torch", "transformers", "mlx", "mlx_lm")}
+        assert not backends, (name, backends)

@@ -1,50 +1,27 @@
-"""The benchmark core: the same prompts through duet's engines and the reference systems,
-timed the same way. Front ends (scripts/bench_engines.py, later /bench and `duet bench`)
-only choose what to run and how to show it.
+"""The systems a benchmark times: duet's engines and the references (transformers generate()
+with a dynamic cache, or a static cache that generate() compiles; mlx-lm's generate_step, and
+its BatchGenerator for batch runs), and the device's ceiling (copy bandwidth, weight and KV-cache
+bytes).
 
 Every system implements setup(model_dir, dtype, context), run(prompt_ids, new_tokens) ->
-Measurement, teardown(). Only the backends a system needs are imported, when it is set up."""
+Measurement, teardown(). Only the backends a system needs are imported, when it is set up.
+"""
 
 from __future__ import annotations
 
 import gc
 import json
-import platform
-import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
-
-@dataclass
-class Measurement:
-    ttft_s: float
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    peak_memory_bytes: int
+from .core import Measurement, PlannedRun, RunRecord, TargetKind, engine_run
+from .report import versions
 
 
-@dataclass
-class Result:
-    system: str
-    prompt_tokens: int
-    new_tokens: int
-    runs: list[Measurement] = field(default_factory=list)
-    error: str | None = None
-
-    def median(self, key: str) -> float:
-        return statistics.median(getattr(m, key) for m in self.runs) if self.runs else float("nan")
-
-
-def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
-    import random
-
-    rng = random.Random(seed + n)
-    return [rng.randrange(3, min(vocab, 30000)) for _ in range(n)]
-
-
-def _free_torch() -> None:
+def free_torch() -> None:
+    """Give a torch system's memory back before the next one loads."""
     gc.collect()
     try:
         import torch
@@ -64,21 +41,19 @@ class DuetTorch:
         self.device, self.compile = device, compile
 
     def setup(self, model_dir: Path, dtype: str, context: int) -> None:
-        from .torch_engine import TorchEngine
+        from ..torch_engine import TorchEngine
 
         self.engine = TorchEngine(model_dir, context_length=context, dtype=dtype,
                                   device=self.device, compile=self.compile)
 
     def run(self, prompt: list[int], new_tokens: int) -> Measurement:
-        from .bench_core import engine_run
-
         stats = engine_run(self.engine, prompt, new_tokens)
         return Measurement(stats.ttft_s, stats.prefill_tokens_per_s, stats.decode_tokens_per_s,
                            stats.peak_memory_bytes)
 
     def teardown(self) -> None:
         self.engine = None
-        _free_torch()
+        free_torch()
 
 
 class DuetMLX(DuetTorch):
@@ -88,7 +63,7 @@ class DuetMLX(DuetTorch):
         pass
 
     def setup(self, model_dir: Path, dtype: str, context: int) -> None:
-        from .mlx_engine import MLXEngine
+        from ..mlx_engine import MLXEngine
 
         self.engine = MLXEngine(model_dir, context_length=context, dtype=dtype)
 
@@ -107,8 +82,8 @@ class HFGenerate:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from .device import choose_device, choose_dtype, torch_dtype
-        from .dummy import is_dummy
+        from ..device import choose_device, choose_dtype, torch_dtype
+        from ..dummy import is_dummy
 
         self.device = choose_device(self.device)
         self.torch = torch
@@ -128,7 +103,7 @@ class HFGenerate:
             self.model.generation_config.cache_implementation = "static"
 
     def _generate(self, ids, n: int) -> float:
-        from .device import synchronize
+        from ..device import synchronize
 
         synchronize(self.device)
         start = time.perf_counter()
@@ -153,7 +128,7 @@ class HFGenerate:
 
     def teardown(self) -> None:
         self.model = None
-        _free_torch()
+        free_torch()
 
 
 class HFStaticCompile(HFGenerate):
@@ -170,8 +145,8 @@ class MLXLMGenerate:
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
-        from .dummy import is_dummy
-        from .mlx_engine.engine import _MX_DTYPES, _legacy_rope_keys, choose_mlx_dtype, mlx_device
+        from ..dummy import is_dummy
+        from ..mlx_engine.engine import _MX_DTYPES, _legacy_rope_keys, choose_mlx_dtype, mlx_device
 
         config = json.loads((model_dir / "config.json").read_text())
         self.model, _ = load_model(model_dir, strict=not is_dummy(config),
@@ -221,10 +196,58 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+# ---------------------------------------------------------------- by name
 SYSTEMS = {
     "duet-torch": DuetTorch, "duet-mlx": DuetMLX, "hf-dynamic": HFGenerate,
     "hf-static-compile": HFStaticCompile, "mlx-lm": MLXLMGenerate,
 }
+
+
+# Reference name (/bench) -> its system, and the engine whose backend it needs (so it is offered
+# only where that backend is installed).
+REFERENCES = {"transformers": (HFGenerate, "torch"), "mlx-lm": (MLXLMGenerate, "mlx")}
+
+
+class ReferenceTarget:
+    """A reference system behind the run-and-measure shape of duet's engines (/bench)."""
+
+    kind: TargetKind = "reference"
+
+    def __init__(self, name: str, device: str = "auto"):
+        cls, self.backend = REFERENCES[name]
+        self.name = name
+        self.system = cls(device) if issubclass(cls, HFGenerate) else cls()
+
+    def setup(self, model_dir, dtype: str, context: int) -> dict:
+        """Load the reference's own copy of the model; returns what it runs on."""
+        self.system.setup(model_dir, dtype, context)
+        v = versions()
+        if self.backend == "torch":
+            from ..device import choose_dtype
+
+            device = self.system.device
+            dtype = choose_dtype(dtype, device)
+            backend = f"transformers {v.get('transformers')}, torch {v.get('torch')}"
+        else:
+            from ..mlx_engine.engine import choose_mlx_dtype, mlx_device
+
+            device = mlx_device()
+            dtype = choose_mlx_dtype(dtype, device)
+            backend = f"mlx {v.get('mlx')}, mlx-lm {v.get('mlx-lm')}"
+        return {"device": device, "dtype": dtype, "backend_version": backend}
+
+    def run(self, run: PlannedRun, prompt_ids: Sequence[int], max_tokens: int) -> RunRecord:
+        start = time.perf_counter()
+        m = self.system.run(list(prompt_ids), max_tokens)
+        return RunRecord(
+            self.name, "reference", run.prompt, run.repeat, run.warmup, len(prompt_ids),
+            max_tokens, m.ttft_s, m.prefill_tokens_per_s, m.decode_tokens_per_s,
+            int(m.peak_memory_bytes), None, time.perf_counter() - start,
+        )
+
+    def close(self) -> None:
+        """Free the reference's model (the server calls this on the reference's thread)."""
+        self.system.teardown()
 
 
 # ---------------------------------------------------------------- the device's ceiling
@@ -255,8 +278,8 @@ def copy_bandwidth(device: str) -> float:
 
 def weight_bytes(model_dir: Path, dtype: str, device: str) -> int:
     """Bytes of every distinct weight: what one decode step must read at least."""
-    from .device import choose_dtype
-    from .torch_engine.config import ModelArgs
+    from ..device import choose_dtype
+    from ..torch_engine.config import ModelArgs
 
     a = ModelArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
     per_layer = (
@@ -271,86 +294,9 @@ def weight_bytes(model_dir: Path, dtype: str, device: str) -> int:
 
 
 def kv_cache_bytes(model_dir: Path, dtype: str, device: str, context: int) -> int:
-    from .device import choose_dtype
-    from .torch_engine.config import ModelArgs
+    from ..device import choose_dtype
+    from ..torch_engine.config import ModelArgs
 
     a = ModelArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
     size = {"float32": 4, "float16": 2, "bfloat16": 2}[choose_dtype(dtype, device)]
     return 2 * a.num_layers * a.num_kv_heads * a.head_dim * context * size
-
-
-# ---------------------------------------------------------------- running
-def run_systems(systems, model_dir: Path, dtype: str, context: int, prompt_lens: list[int],
-                    new_tokens: int, repeats: int, vocab: int, log=print) -> list[Result]:
-    """The systems loaded together and their runs taken in turn, so slow drifts of the
-    machine (clocks, host load) fall on all of them alike (pass one system to run it alone).
-    A system that fails keeps its error and never loses the others' numbers."""
-    results = {s.name: [Result(s.name, n, new_tokens) for n in prompt_lens] for s in systems}
-
-    def fail(system, exc: Exception) -> None:
-        log(f"{system.name}: failed: {type(exc).__name__}: {exc}")
-        for res in results[system.name]:
-            res.error = f"{type(exc).__name__}: {exc}"
-
-    live = []
-    for system in systems:
-        try:
-            started = time.perf_counter()
-            system.setup(model_dir, dtype, context)
-            for res in results[system.name]:  # warm-up: compiles, graph captures, allocator growth
-                system.run(_prompt(res.prompt_tokens, vocab), new_tokens)
-            log(f"{system.name}: set up and warmed up in {time.perf_counter() - started:.1f}s")
-            live.append(system)
-        except Exception as exc:
-            fail(system, exc)
-    try:
-        for i, n in enumerate(prompt_lens):
-            for _ in range(repeats):
-                for system in list(live):
-                    try:
-                        results[system.name][i].runs.append(system.run(_prompt(n, vocab), new_tokens))
-                    except Exception as exc:
-                        fail(system, exc)
-                        live.remove(system)
-    finally:
-        for system in systems:
-            try:
-                system.teardown()
-            except Exception:
-                pass
-    return [r for s in systems for r in results[s.name]]
-
-
-def write_marked_section(path: Path, key: str, text: str, tag: str = "bench") -> None:
-    """Put text between <!-- tag:key --> markers of a markdown file, replacing what was there
-    (or appending), so each benchmark rewrites only its own section."""
-    start, end = f"<!-- {tag}:{key} -->", f"<!-- /{tag}:{key} -->"
-    block = f"{start}\n{text}{end}\n"
-    old = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end) + r"\n?", re.S)
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + block
-    path.write_text(new)
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "mlx", "mlx-lm"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU ({platform.processor() or platform.system()})"
-
-
-def results_json(results: list[Result], meta: dict) -> str:
-    return json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2)
