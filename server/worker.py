@@ -59,6 +59,7 @@ class EngineWorker:
         self._lock = threading.Lock()  # _jobs changes on the event loop and the engine thread
         self._mean_s = 1.0  # a running mean of job times, for Retry-After
         self.loop = EngineLoop(label)
+        self._waker: Waker | None = None
 
     @property
     def loaded(self) -> bool:
@@ -98,6 +99,11 @@ class EngineWorker:
                 "kv_cache_used_tokens": pool.used_blocks * pool.block_size,
                 "kv_cache_tokens": pool.capacity_tokens}
 
+    def _waker_for(self, loop: asyncio.AbstractEventLoop) -> Waker:
+        if self._waker is None or self._waker.loop is not loop:
+            self._waker = Waker(loop)
+        return self._waker
+
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the engine's thread, after the jobs submitted before it. Not admitted nor
         counted: for loading and closing, not for requests."""
@@ -132,7 +138,7 @@ class EngineWorker:
         sequence leaves the batch at the next step; the job is released once the loop has let
         it go."""
         job = self._admit("generation", True)
-        loop = asyncio.get_running_loop()
+        waker = self._waker_for(asyncio.get_running_loop())
         arrived: deque = deque()
         ready = asyncio.Event()
         woken = [False]  # a wake-up is on its way to the event loop
@@ -143,9 +149,7 @@ class EngineWorker:
             arrived.append(event)
             if not woken[0]:
                 woken[0] = True
-                try:
-                    loop.call_soon_threadsafe(ready.set)
-                except RuntimeError:  # the event loop is gone: the server is shutting down
+                if not waker.wake(ready):  # the event loop is gone: the server is shutting down
                     job.stop.set()
 
         def on_start() -> None:
@@ -246,3 +250,34 @@ class EngineWorker:
         if engine is not None:
             self.loop.submit(engine.close)
         self.loop.close()
+
+
+class Waker:
+    """Sets asyncio events from the engine's thread, many per hand-over: each step wakes every
+    running stream, and one call_soon_threadsafe per stream (a lock and a write to the loop's
+    self-pipe each) cost the engine thread ~0.3 ms a step at 64 streams."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._due: list[asyncio.Event] = []
+        self._lock = threading.Lock()
+
+    def wake(self, event: asyncio.Event) -> bool:
+        """Set event on the event loop soon; False if that loop is closed."""
+        with self._lock:
+            self._due.append(event)
+            if len(self._due) > 1:
+                return True  # a hand-over is already on its way
+        try:
+            self.loop.call_soon_threadsafe(self._set_due)
+        except RuntimeError:
+            with self._lock:
+                self._due.clear()
+            return False
+        return True
+
+    def _set_due(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for event in due:
+            event.set()
