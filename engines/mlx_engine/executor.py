@@ -35,7 +35,11 @@ class MLXExecutor:
             uids = self._gen.insert(
                 [list(row.tokens) for row in new],
                 max_tokens=[self._context for _ in new],
-                samplers=[make_sampler(row.sampling, row.draws) for row in new],
+                # None for a greedy row: the generator's own argmax, which it runs for the whole
+                # batch in one call when every row shares it (a sampler per row is called row
+                # by row: 0.53x mlx-lm's speed at 32 greedy rows on an H200).
+                samplers=[None if row.sampling.greedy else make_sampler(row.sampling, row.draws)
+                          for row in new],
             )
             for row, uid in zip(new, uids):
                 self._uid[row.seq_id], self._seq[uid] = uid, row.seq_id
