@@ -22,13 +22,16 @@ SMUGGLED = (
 )
 
 
-@pytest.fixture
-def serve(models_file):
+@pytest.fixture(params=["h11", "httptools"])
+def serve(models_file, request):
+    """A server on each HTTP parser duet may run under (httptools is the default where it is
+    installed, as serving installs it; h11 is uvicorn's pure-Python fallback)."""
     servers = []
 
     def start(**settings) -> LiveServer:
         app = create_app(Settings(models_file=models_file, **settings), FakeFactory())
-        server = LiveServer(app).__enter__()
+        server = LiveServer(app, http=request.param).__enter__()
+        server.parser = request.param
         servers.append(server)
         return server
 
@@ -69,8 +72,9 @@ def test_content_length_with_transfer_encoding_is_refused_and_the_connection_clo
         data, closed = read_until_closed(sock)
     assert closed, data
     assert responses(data) == [400], data  # the hidden GET /v1/models was never answered
-    err = json_body(data)["error"]
-    assert err["code"] == "invalid_request_framing" and "Transfer-Encoding" in err["message"]
+    if server.parser == "h11":  # httptools (llhttp) refuses it itself, with a plain-text 400
+        err = json_body(data)["error"]
+        assert err["code"] == "invalid_request_framing" and "Transfer-Encoding" in err["message"]
 
 
 def test_an_idle_connection_is_closed_after_the_header_timeout(serve):
