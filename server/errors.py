@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.base import BackendMissing, Cancelled, ContextLengthExceeded, EngineError
+from engines.runtime.kv import KVPoolTooSmall
 
 log = logging.getLogger("duet.server")
 
@@ -96,6 +97,8 @@ def from_engine_error(exc: EngineError, prompt_param: str = "messages") -> APIEr
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, BackendMissing):
         return APIError(400, str(exc), param="engine", code="engine_unavailable")
+    if isinstance(exc, KVPoolTooSmall):  # it would wait for ever: the pool is never that free
+        return APIError(400, str(exc), param="max_tokens", code="kv_cache_too_small")
     return APIError(503, str(exc), type="server_error", code="model_unavailable")
 
 

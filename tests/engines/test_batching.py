@@ -103,17 +103,23 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
                                            ignore_eos=True))
 
 
+def three_in_a_nine_block_pool(engine):
+    """Three requests that need 4 blocks each, their solo tokens, and a runtime whose pool
+    holds 9 blocks: the pool runs dry as they grow."""
+    from engines.runtime.kv import BlockPool
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    jobs = [(PROMPTS[i], params) for i in (0, 3, 4)]
+    expected = [alone(engine, p, params) for p, _ in jobs]
+    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
+    return jobs, expected, Runtime(engine, max_batch=3, max_prefill_tokens=64)
+
+
 def test_a_pool_too_small_for_everyone_preempts_and_still_gives_solo_tokens(tiny_dirs):
     """Three requests that need 4 blocks each share a 9-block pool: the newest is preempted
     when the others grow, recomputed later, and still gets its own tokens."""
     engine = engine_for(tiny_dirs, "llama", kv_cache_memory=None)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    jobs = [(PROMPTS[i], params) for i in (0, 3, 4)]
-    expected = [alone(engine, p, params) for p, _ in jobs]
-    from engines.runtime.kv import BlockPool
-
-    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
-    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    jobs, expected, runtime = three_in_a_nine_block_pool(engine)
     seen = []
     original = runtime.scheduler.schedule
 

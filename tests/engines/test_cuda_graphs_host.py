@@ -11,7 +11,13 @@ from engines.runtime.runtime import Runtime
 from engines.torch_engine import TorchEngine
 from engines.runtime.plan import PENDING
 from engines.torch_engine import cuda_graphs
-from tests.engines.test_batching import GREEDY, PROMPTS, alone, run_together
+from tests.engines.test_batching import (
+    GREEDY,
+    PROMPTS,
+    alone,
+    run_together,
+    three_in_a_nine_block_pool,
+)
 
 
 class ReplayedGraphs:
@@ -102,16 +108,12 @@ def test_pipelined_preemption_and_abort(tiny_dirs, monkeypatch):
     """A pool too small for three: the newest is preempted while a token of it is in flight,
     comes back with that token and still gets its solo tokens; a request stopped mid-way frees
     its blocks and the others go on."""
-    from engines.runtime.kv import BlockPool
     from engines.runtime.runtime import Submission
 
     monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
     engine = graph_engine(tiny_dirs)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    jobs = [(PROMPTS[i], params) for i in (0, 3, 4)]
-    solo = [alone(engine, p, params) for p, _ in jobs]
-    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
-    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    jobs, solo, runtime = three_in_a_nine_block_pool(engine)
+    params = jobs[0][1]
     preempted = []
     preempt = runtime.scheduler._preempt
     runtime.scheduler._preempt = lambda seq: (preempted.append(seq.inflight), preempt(seq))

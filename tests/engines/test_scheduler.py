@@ -126,3 +126,48 @@ def test_a_request_that_can_never_fit_is_refused_naming_the_limit():
     with pytest.raises(KVPoolTooSmall, match="64 tokens.*--kv-cache-memory"):
         sched.add(seq(0, 60, max_tokens=10))
     sched.add(seq(1, 54, max_tokens=10))  # exactly the pool: it fits
+
+
+def test_pipelined_steps_feed_pending_tokens_and_stop_at_max_tokens():
+    """A pipelined executor is read back one step late: each decode row after the first feeds
+    PENDING (the token in flight), the draw count includes it, nothing is scheduled past
+    max_tokens, and every block comes back."""
+    from engines.runtime.plan import PENDING
+
+    pool = BlockPool(20, 4)
+    sched = Scheduler(pool, max_batch=2, max_prefill_tokens=1000, pipelined=True)
+    for i, n in enumerate((5, 3)):
+        sched.add(seq(i, 5, max_tokens=n))
+    launched, fed = None, {0: [], 1: []}
+    draws = {0: [], 1: []}
+    while sched.has_work or launched is not None:
+        plan = sched.schedule()
+        for r in plan.decode:
+            fed[r.seq_id].append(r.tokens[0])
+        for r in plan.rows:
+            if r.sample:
+                draws[r.seq_id].append(r.draws)
+        out = StepOutput({r.seq_id: 10 + r.draws for r in plan.rows if r.sample})
+        last, launched = launched, ((plan, out) if plan.rows else None)
+        if last is not None:
+            for s, _ in sched.update(*last):
+                if len(s.generated) >= s.params.max_tokens:
+                    sched.remove(s)
+    assert draws == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2]}  # max_tokens draws, none beyond
+    assert fed[0] == [PENDING] * 4 and fed[1] == [PENDING] * 2
+    assert pool.used_blocks == 0
+
+
+def test_a_late_executor_is_not_fed_a_token_it_has_not_answered():
+    """Not pipelined (MLX answers a prompt's first token a step or more later): a sequence with
+    a token in flight gets no row until that token arrives."""
+    sched = Scheduler(BlockPool(20, 4), max_batch=2, max_prefill_tokens=1000,
+                      chunked_prefill=False)
+    sched.add(seq(0, 5, max_tokens=3))
+    plan = sched.schedule()
+    assert [r.sample for r in plan.rows] == [True]
+    sched.update(plan, StepOutput({}))  # no answer yet
+    assert not sched.schedule().rows
+    sched.update(plan, StepOutput({0: 9}))
+    row, = sched.schedule().rows
+    assert row.tokens == (9,) and row.draws == 1

@@ -100,6 +100,17 @@ def test_max_tokens_must_fit_the_context(client):
                         400, code="context_length_exceeded")
 
 
+def test_a_request_the_kv_cache_could_never_hold_is_400_naming_the_limit(make_client):
+    """Within the context but beyond the whole KV pool: refused at once, not left waiting."""
+    with make_client(FakeFactory(kv_tokens=64)) as client:
+        err = assert_openai_error(
+            client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 200}),
+            400, param="max_tokens", code="kv_cache_too_small")
+        assert "--kv-cache-memory" in err["message"]
+        ok = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8})
+        assert ok.status_code == 200, ok.text
+
+
 def slow_app(models_file, **settings):
     factory = FakeFactory(token_delay_s=0.05, reply="z" * 40)  # about 2 s per request
     return create_app(Settings(models_file=models_file, **settings), factory), factory
