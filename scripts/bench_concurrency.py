@@ -113,7 +113,7 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
                     seen["kv_size"] = e.get("kv_cache_bytes", 0)
             except Exception:
                 pass
-            time.sleep(0.05)
+            time.sleep(0.2)  # more often perturbs a small CPU's run
 
     watcher = threading.Thread(target=watch, daemon=True)
     for w in workers:
@@ -152,28 +152,39 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
 
 def short_during_long(url: str, model: str, engine: str | None, long_tokens: int,
                       prompt_tokens: int) -> dict:
-    """Three long generations, then (once they stream) a 4-token one: how long each took."""
+    """Three long generations, then, once all three stream, a 4-token one: how long each took
+    (the long ones from their start, the short one from its own)."""
     import httpx
 
-    def body(prompt, n):
+    def body(prompt, n, stream):
         return {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                "ignore_eos": True, **({"engine": engine} if engine else {})}
+                "ignore_eos": True, "stream": stream, **({"engine": engine} if engine else {})}
 
     prompts = prompts_for(4, prompt_tokens, seed=99)
     took: dict = {}
+    streaming = threading.Semaphore(0)
 
-    def one(name, prompt, n):
+    def long(i):
         started = time.time()
-        resp = httpx.post(url + "/v1/completions", json=body(prompt, n), timeout=900)
-        resp.raise_for_status()
-        took[name] = time.time() - started
+        with httpx.stream("POST", url + "/v1/completions", json=body(prompts[i], long_tokens,
+                                                                      True), timeout=900) as resp:
+            resp.raise_for_status()
+            first = True
+            for line in resp.iter_lines():
+                if first and line.startswith("data: {"):
+                    first = False
+                    streaming.release()
+        took[f"long{i}"] = time.time() - started
 
-    longs = [threading.Thread(target=one, args=(f"long{i}", prompts[i], long_tokens))
-             for i in range(3)]
+    longs = [threading.Thread(target=long, args=(i,)) for i in range(3)]
     for t in longs:
         t.start()
-    time.sleep(1.0)
-    one("short", prompts[3], 4)
+    for _ in longs:
+        streaming.acquire()
+    started = time.time()
+    resp = httpx.post(url + "/v1/completions", json=body(prompts[3], 4, False), timeout=900)
+    resp.raise_for_status()
+    took["short"] = time.time() - started
     for t in longs:
         t.join()
     long_s = min(took[f"long{i}"] for i in range(3))
