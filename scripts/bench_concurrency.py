@@ -338,8 +338,8 @@ def main() -> int:
         "command": " ".join(sys.argv),
     }
     base = rows[0]["aggregate_tok_s"]
-    print(f"\n| clients | duet tok/s | x 1 client | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-          f"peak batch | peak KV MiB |" + "".join(f" {k} tok/s | duet / {k} |" for k in references))
+    print("\n| clients | duet tok/s | x 1 client | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+          "peak batch | peak KV MiB |" + "".join(f" {k} tok/s | duet / {k} |" for k in references))
     for r in rows:
         refs = "".join(
             f" {references[k].get(r['clients'], float('nan')):,.0f} | "

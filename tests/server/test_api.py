@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engines.fake import EOS, ByteTokenizer, FakeEngine
+from engines.fake import ByteTokenizer, FakeEngine
 from tests.server.conftest import FakeFactory
 
 REPLY = FakeEngine().reply

@@ -2,9 +2,7 @@
 normal requests, a client that leaves, the switch in the settings."""
 
 import asyncio
-import json
 import statistics
-import threading
 import time
 
 import httpx
