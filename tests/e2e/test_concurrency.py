@@ -1,7 +1,11 @@
-"""Many simultaneous requests on one engine of the real default model never mix: 16 concurrent
-greedy requests with different prompts give exactly what they give one at a time."""
+"""Many simultaneous requests on the real default model never mix: 16 concurrent greedy
+requests with different prompts, half of them streaming, spread over both engines, give exactly
+what they give one at a time; and a short request sent while long ones stream finishes long
+before them (it joins the running batch instead of waiting for it)."""
 
 import asyncio
+import threading
+import time
 
 import openai
 import pytest
@@ -16,16 +20,20 @@ TOPICS = ["France", "Japan", "the Moon", "rain", "cats", "bread", "music", "wint
           "trees", "chess", "coffee", "Mars", "bees", "paper", "bridges"]
 
 
-def ask(topic: str) -> dict:
+def ask(topic: str, engine: str) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": f"Say one fact about {topic}."}],
-            "temperature": 0, "max_tokens": 6, "extra_body": {"engine": "torch"}}
+            "temperature": 0, "max_tokens": 6, "extra_body": {"engine": engine}}
+
+
+def engine_of(i: int) -> str:
+    return "torch" if i % 4 < 2 else "mlx"  # each engine gets streaming and plain requests
 
 
 def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers():
     with LiveServer(create_app(Settings())) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
-        sequential = [client.chat.completions.create(**ask(t)).choices[0].message.content
-                      for t in TOPICS]
+        sequential = [client.chat.completions.create(**ask(t, engine_of(i)))
+                      .choices[0].message.content for i, t in enumerate(TOPICS)]
 
         async def together():
             aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
@@ -33,10 +41,11 @@ def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers():
 
             async def one(i: int, topic: str) -> str:
                 if i % 2:  # half of them stream
-                    stream = await aclient.chat.completions.create(**ask(topic), stream=True)
+                    stream = await aclient.chat.completions.create(**ask(topic, engine_of(i)),
+                                                                   stream=True)
                     return "".join([c.choices[0].delta.content or "" async for c in stream
                                     if c.choices])
-                resp = await aclient.chat.completions.create(**ask(topic))
+                resp = await aclient.chat.completions.create(**ask(topic, engine_of(i)))
                 return resp.choices[0].message.content
 
             try:
@@ -47,3 +56,37 @@ def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers():
         concurrent = asyncio.run(together())
     assert len(set(sequential)) > 8  # different prompts really give different answers
     assert concurrent == sequential
+
+
+def test_a_short_request_during_long_ones_finishes_long_before_them():
+    with LiveServer(create_app(Settings())) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        long_args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 120,
+                     "temperature": 0, "stream": True, "extra_body": {"ignore_eos": True}}
+        streaming = threading.Semaphore(0)
+        ended: dict[int, float] = {}
+
+        def long(i: int) -> None:
+            first = True
+            for _ in client.completions.create(**long_args):
+                if first:
+                    first = False
+                    streaming.release()
+            ended[i] = time.monotonic()
+
+        threads = [threading.Thread(target=long, args=(i,)) for i in range(3)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert streaming.acquire(timeout=120)
+        sent = time.monotonic()
+        short = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        short_done = time.monotonic()
+        for t in threads:
+            t.join()
+    assert short.usage.completion_tokens == 4
+    assert len(ended) == 3
+    assert short_done < min(ended.values())  # done before any long one
+    assert short_done - sent < 0.35 * (min(ended.values()) - started)
