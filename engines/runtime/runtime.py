@@ -112,30 +112,26 @@ class Runtime:
         if self._meter is not None:
             self._meter.reset()
         started = time.perf_counter()
-        if not self.pipelined:
-            try:
-                output = self.executor.step(plan)
-            except Exception as exc:
-                self._fail(plan, exc)
-                return
-            executed = time.perf_counter()
-            self._handle(plan, output)
-        else:
+        if self.pipelined:
             last, self._launched = self._launched, None
             if plan:
                 try:
                     self._launched = (plan, self.executor.launch(plan))
                 except Exception as exc:
                     self._fail(plan, exc)
+        else:
+            last = (plan, None)  # run and read back now
+        executed = time.perf_counter()
+        if last is not None:
+            done, handle = last
+            try:
+                output = (self.executor.collect(handle) if self.pipelined
+                          else self.executor.step(done))
+            except Exception as exc:
+                self._fail(done, exc)
+                return
             executed = time.perf_counter()
-            if last is not None:
-                try:
-                    output = self.executor.collect(last[1])
-                except Exception as exc:
-                    self._fail(last[0], exc)
-                    return
-                executed = time.perf_counter()
-                self._handle(last[0], output)
+            self._handle(done, output)
         self.execute_s = 0.9 * self.execute_s + 0.1 * (executed - started)
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started)
 

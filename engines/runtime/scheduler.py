@@ -47,16 +47,14 @@ class Sequence:
     peak_blocks: int = 0
     preemptions: int = 0
 
-    def tokens(self) -> list[int]:
-        return self.prompt + self.generated
-
     @property
     def length(self) -> int:
         """Tokens the sequence has or will have once its in-flight token is read."""
         return len(self.prompt) + len(self.generated) + self.inflight
 
     def feed(self, start: int, n: int) -> tuple[int, ...]:
-        """tokens()[start:start + n] without building tokens(); PENDING for the in-flight one."""
+        """(prompt + generated)[start:start + n] without building the whole list; PENDING for
+        the in-flight token."""
         p = len(self.prompt)
         if start + n <= p:
             return tuple(self.prompt[start : start + n])
@@ -71,7 +69,8 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
-                 chunked_prefill: bool = True, pipelined: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 chunked_prefill: bool = True, pipelined: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be at least 1")
         self.pool = pool

@@ -152,17 +152,15 @@ class GraphDecoder:
         host = host_t.numpy()
         host[:b, :width] = 0
         host[n:b, WRITE] = self.kv.trash
-        host[:b, SOURCE] = -1
+        host[n:b, SOURCE] = -1
         pending = False
         for i, r in enumerate(rows):
-            pos = r.start
-            token = r.tokens[0]
+            pos, token, source = r.start, r.tokens[0], -1
             if token == PENDING:
-                host[i, SOURCE] = last[1][r.seq_id]
-                token, pending = 0, True
+                token, source, pending = 0, last[1][r.seq_id], True
             blocks = r.blocks[: width - TABLE]
-            host[i, :TABLE] = (token, pos, blocks[pos // self.page] * self.page + pos % self.page,
-                               host[i, SOURCE])
+            slot = blocks[pos // self.page] * self.page + pos % self.page
+            host[i, :TABLE] = (token, pos, slot, source)
             host[i, TABLE : TABLE + len(blocks)] = blocks
         inputs = self.inputs[:b, :width]
         inputs.copy_(host_t[:b, :width], non_blocking=True)

@@ -74,7 +74,8 @@ class TorchExecutor:
             else:
                 tokens = sample_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
             ids = tuple(r.seq_id for r in due)
-            self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
+            if self.pipelined:  # where the next step's PENDING rows find their tokens
+                self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
             return ids, self._readback.start(tokens)
 
     def collect(self, handle) -> StepOutput:
