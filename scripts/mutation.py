@@ -4,6 +4,11 @@ cover the changed function; a mutant the tests do not notice "survives".
 
     .venv/bin/python scripts/mutation.py           # run mutmut, then report (about an hour here)
     .venv/bin/python scripts/mutation.py --report  # report on the last run only
+    .venv/bin/python scripts/mutation.py --modules engines/runtime/scheduler.py \
+        --tests tests/engines/test_scheduler.py --name runtime   # a part, in a scratch copy
+
+A part run copies the tracked files to mutants-runs/NAME/, narrows [tool.mutmut] there to the
+given modules and tests (mutmut itself has no such switch) and writes docs/mutation-NAME.json.
 
 Prints the surviving-mutant rate per module, writes docs/mutation.json (every survivor with its
 diff, to be read and either killed by a test or explained in docs/testing.md), and exits
@@ -28,8 +33,8 @@ BIN = Path(sys.executable).parent
 OUT = ROOT / "docs" / "mutation.json"
 
 
-def mutmut(*args: str, check: bool = True) -> str:
-    done = subprocess.run([str(BIN / "mutmut"), *args], cwd=ROOT, capture_output=True, text=True)
+def mutmut(*args: str, check: bool = True, cwd: Path = ROOT) -> str:
+    done = subprocess.run([str(BIN / "mutmut"), *args], cwd=cwd, capture_output=True, text=True)
     if check and done.returncode != 0:
         raise SystemExit(f"mutmut {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
     return done.stdout
@@ -41,14 +46,14 @@ def module_of(mutant: str) -> str:
     return dotted.replace(".", "/") + ".py"
 
 
-def diff_of(mutant: str) -> list[str]:
-    lines = mutmut("show", mutant, check=False).splitlines()
+def diff_of(mutant: str, cwd: Path) -> list[str]:
+    lines = mutmut("show", mutant, check=False, cwd=cwd).splitlines()
     return [line for line in lines if line[:2] in ("- ", "+ ")]
 
 
-def report(baseline: float | None) -> int:
+def report(baseline: float | None, cwd: Path = ROOT, out: Path = OUT) -> int:
     statuses = {}
-    for line in mutmut("results", "--all", "true").splitlines():
+    for line in mutmut("results", "--all", "true", cwd=cwd).splitlines():
         name, _, status = line.strip().rpartition(": ")
         if name:
             statuses[name] = status
@@ -84,18 +89,55 @@ def report(baseline: float | None) -> int:
     print(f"{'all':40} {total:8} {sums['killed']:7} {sums['timeout']:8} {sums['survived']:9} "
           f"{sums['no_tests']:9} {sums['not_run']:8} {rate:10.1%}")
     survivors = [{"mutant": name, "module": module_of(name), "status": status,
-                  "diff": diff_of(name)}
+                  "diff": diff_of(name, cwd)}
                  for name, status in sorted(statuses.items()) if status in ("survived", "no tests")]
-    OUT.write_text(json.dumps({
+    out.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "tool": f"mutmut {mutmut('--version').split()[-1]}",
         **sums, "surviving_rate": round(rate, 4),
         "modules": rows, "survivors": survivors,
     }, indent=2, ensure_ascii=False) + "\n")
-    print(f"\nwrote {OUT.relative_to(ROOT)} ({len(survivors)} survivors with their diffs)")
+    print(f"\nwrote {out.relative_to(ROOT)} ({len(survivors)} survivors with their diffs)")
     if baseline is not None and rate > baseline:
         print(f"the surviving-mutant rate rose: {rate:.1%} > the baseline {baseline:.1%}")
         return 1
     return 0
+
+
+def scratch_copy(name: str, modules: list[str], tests: list[str]) -> Path:
+    """The tracked files in mutants-runs/NAME, with [tool.mutmut] narrowed to modules/tests."""
+    where = ROOT / "mutants-runs" / name
+    shutil.rmtree(where, ignore_errors=True)
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    for rel in files:
+        if (ROOT / rel).is_file():
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, where / rel)
+    config = (where / "pyproject.toml").read_text()
+    config, n = re.subn(r"only_mutate = \[.*?\]", "only_mutate = " + json.dumps(modules),
+                        config, flags=re.S)
+    config, m = re.subn(r"pytest_add_cli_args_test_selection = \[.*?\]",
+                        "pytest_add_cli_args_test_selection = " + json.dumps(tests),
+                        config, flags=re.S)
+    if n != 1 or m != 1:
+        raise SystemExit("pyproject.toml's [tool.mutmut] has no only_mutate or test selection")
+    (where / "pyproject.toml").write_text(config)
+    return where
+
+
+def run(cwd: Path) -> None:
+    shutil.rmtree(cwd / "mutants", ignore_errors=True)  # a whole fresh run, no stale cache
+    # mutmut starts a pytest session per mutant: the tiny test models are built once, here,
+    # and loaded by each session (tests/conftest.py's tiny_dirs) instead of rebuilt.
+    tiny = cwd / "mutants-tiny-models"
+    shutil.rmtree(tiny, ignore_errors=True)
+    env = {**os.environ, "DUET_TINY_MODELS": str(tiny)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "tests/engines/test_torch_parity.py"], cwd=cwd, env=env, check=True,
+                   capture_output=True)
+    started = time.perf_counter()
+    subprocess.run([str(BIN / "mutmut"), "run"], cwd=cwd, env=env, check=False)
+    print(f"mutmut ran for {(time.perf_counter() - started) / 60:.1f} min")
 
 
 def main() -> int:
@@ -103,21 +145,21 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="only report on the last run")
     parser.add_argument("--baseline", type=float, default=None,
                         help="fail when the overall surviving rate exceeds this fraction")
+    parser.add_argument("--modules", nargs="+", help="mutate only these (a part run)")
+    parser.add_argument("--tests", nargs="+", help="with --modules: the tests that guard them")
+    parser.add_argument("--name", default="part", help="with --modules: the run's name")
     args = parser.parse_args()
+    cwd, out = ROOT, OUT
+    if args.modules:
+        if not args.tests:
+            parser.error("--modules needs --tests")
+        cwd = ROOT / "mutants-runs" / args.name
+        out = ROOT / "docs" / f"mutation-{args.name}.json"
+        if not args.report:
+            scratch_copy(args.name, args.modules, args.tests)
     if not args.report:
-        shutil.rmtree(ROOT / "mutants", ignore_errors=True)  # a whole fresh run, no stale cache
-        # mutmut starts a pytest session per mutant: the tiny test models are built once, here,
-        # and loaded by each session (tests/conftest.py's tiny_dirs) instead of rebuilt.
-        tiny = ROOT / "mutants-tiny-models"
-        shutil.rmtree(tiny, ignore_errors=True)
-        env = {**os.environ, "DUET_TINY_MODELS": str(tiny)}
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/engines/test_torch_parity.py"], cwd=ROOT, env=env, check=True,
-                       capture_output=True)
-        started = time.perf_counter()
-        subprocess.run([str(BIN / "mutmut"), "run"], cwd=ROOT, env=env, check=False)
-        print(f"mutmut ran for {(time.perf_counter() - started) / 60:.1f} min")
-    return report(args.baseline)
+        run(cwd)
+    return report(args.baseline, cwd, out)
 
 
 if __name__ == "__main__":
