@@ -134,7 +134,11 @@ class BackendMissing(EngineError):
             f"install it with: pip install 'duet[{extra}]' (or run scripts/setup.sh)"
         )
         self.engine = engine
+        self.module = module
         self.extra = extra
+
+    def __reduce__(self):  # pickled across the engine process's pipe: rebuilt from its fields
+        return type(self), (self.engine, self.module, self.extra)
 
 
 class UnsupportedModel(EngineError):
@@ -150,6 +154,9 @@ class ContextLengthExceeded(EngineError):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_length = context_length
+
+    def __reduce__(self):
+        return type(self), (self.prompt_tokens, self.max_tokens, self.context_length)
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:

@@ -40,7 +40,24 @@ def warm_up(engine) -> float:
     return time.perf_counter() - start
 
 
-class GenerationEngine:
+class PromptSide:
+    """An engine's prompt handling, which needs only its tokenizer and context length: shared by
+    the engines and by the HTTP side's view of an engine in another process."""
+
+    context_length: int
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode_prompt(text)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """The context rule, for every engine: prompt plus completion within the context."""
+        check_context(prompt_tokens, max_tokens, self.context_length)
+
+
+class GenerationEngine(PromptSide):
     """What every generating engine shares above its step executor.
 
     A subclass sets name, device, context_length, tokenizer and meter, calls init_runtime once
@@ -62,22 +79,12 @@ class GenerationEngine:
     def executor(self):
         raise NotImplementedError
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode_prompt(text)
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
-
     def classify(
         self, params: ClassifyParams, should_stop: Callable[[], bool] | None = None
     ) -> ClassificationResult:
         from .classify import zero_shot
 
         return zero_shot(self, params, should_stop)
-
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """The context rule, for every engine: prompt plus completion within the context."""
-        check_context(prompt_tokens, max_tokens, self.context_length)
 
     def kv_cache_bytes(self) -> int:
         """The KV pool's bytes in use now (by every running sequence)."""

@@ -21,6 +21,14 @@ class ChatTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 
+    def __getstate__(self) -> dict:
+        # Sent to the HTTP side when the engine runs in its own process; a lock does not pickle.
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _find_eos_ids(self, model_dir: Path) -> frozenset[int]:
         import json
 

@@ -17,7 +17,13 @@ from .bench import STATIC_DIR, BenchService
 from .classify_service import ClassificationService
 from .errors import install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
-from .registry import BackendEngineFactory, EngineFactory, ModelRegistry, default_model_id
+from .registry import (
+    BackendEngineFactory,
+    EngineFactory,
+    ModelRegistry,
+    default_model_id,
+    process_policy,
+)
 from .request_guard import RequestGuard, ShutdownNotice
 from .routes import router
 from .service import GenerationService
@@ -42,6 +48,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     registry = ModelRegistry(
         specs, factory, override,
         max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
+        engine_process=process_policy(settings.engine_process, settings.device),
     )
     metrics = ServerMetrics(registry)
 

@@ -13,17 +13,18 @@ import datetime as dt
 import logging
 import threading
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engines.base import ContextLengthExceeded, EngineError, check_context
 from engines.bench import core
 from engines.bench.report import device_label, environment
 from engines.bench.systems import REFERENCES, ReferenceTarget
-from engines.base import ContextLengthExceeded, EngineError, check_context
 from engines.factory import backend_available, backend_missing
 from engines.sources import resolve_model_dir
 
@@ -188,9 +189,8 @@ class BenchRun:
                 "bench", lambda _engine, _stop: target.reference.run(run, ids, self.req.max_tokens),
                 bounded=False)
         stats = await target.worker.call(
-            "bench", lambda engine, stop: core.engine_run(
-                engine, ids, self.req.max_tokens, lambda: stop() or self.gone.is_set()),
-            bounded=False)
+            "bench", partial(_engine_run, ids, self.req.max_tokens), bounded=False,
+            also_stop=self.gone)
         return core.record_from_stats(run, stats)
 
     def _unload_references(self) -> None:
@@ -213,6 +213,11 @@ class BenchRun:
             "cancelled": self.gone.is_set(), "environment": environment(),
             "wall_s": round(time.time() - started, 3), **summary,
         }
+
+
+def _engine_run(ids: list[int], max_tokens: int, engine, should_stop):
+    # A module-level function: a job's function travels to the engine's process by pickle.
+    return core.engine_run(engine, ids, max_tokens, should_stop)
 
 
 def _error(target: str, message: str) -> dict:

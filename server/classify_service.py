@@ -5,9 +5,11 @@ requests and never interleaves with them."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi.responses import JSONResponse
 
-from engines.base import ClassifyParams, EngineError, UnsupportedModel
+from engines.base import ClassifyParams, Engine, EngineError, StopCheck, UnsupportedModel
 from engines.config import ModelSpec
 
 from .classify_protocol import ClassificationRequest, classification_response
@@ -16,6 +18,11 @@ from .registry import ModelRegistry
 from .settings import Settings
 
 _ZERO_SHOT_ONLY = ("labels", "instruction", "calibrate", "label_scoring")
+
+
+def _classify(params: ClassifyParams, engine: Engine, should_stop: StopCheck):
+    # A module-level function: a job's function travels to the engine's process by pickle.
+    return engine.classify(params, should_stop)
 
 
 class ClassificationService:
@@ -28,8 +35,7 @@ class ClassificationService:
         params = self._params(req, spec)
         try:
             worker = await self.registry.worker(spec.id, req.engine)
-            result = await worker.call(
-                "classification", lambda engine, should_stop: engine.classify(params, should_stop))
+            result = await worker.call("classification", partial(_classify, params))
         except UnsupportedModel as exc:
             raise bad_request(f"model '{spec.id}': {exc}", param="model") from exc
         except EngineError as exc:

@@ -33,7 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
             "cors_origins": args.cors_origin, "max_body_bytes": args.max_body_bytes,
             "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
             "max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens,
-            "kv_cache_memory": args.kv_cache_memory,
+            "kv_cache_memory": args.kv_cache_memory, "engine_process": args.engine_process,
             "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
             "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
             "keep_alive_timeout_s": args.keep_alive_timeout,
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--kv-cache-memory", metavar="SIZE",
                        help="KV cache per engine, e.g. 4GiB (default: max-batch full contexts, "
                        "at most half the free memory)")
+    serve.add_argument("--engine-process", choices=["auto", "on", "off"],
+                       help="run each generating engine in a process of its own, so the HTTP "
+                       "side never holds up its steps (default auto: on CUDA)")
     serve.add_argument("--request-timeout", type=float, metavar="SECONDS",
                        help="time limit of one generation, queueing included (default 600)")
     serve.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",

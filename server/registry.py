@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
+from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 from engines.base import Engine, EngineError
@@ -16,6 +17,7 @@ from engines.factory import (
     create_engine,
     resolve_engine_name,
 )
+from engines.runtime.process import wants_process
 from engines.sources import resolve_model_dir
 
 from .errors import APIError, echo, model_not_found
@@ -62,8 +64,12 @@ class ModelRegistry:
         *,
         max_queue: int = 32,
         request_timeout_s: float | None = None,
+        engine_process: Callable[[ModelSpec, str], bool] | None = None,
     ):
+        """engine_process(spec, engine name) says whether that engine runs in a process of its
+        own (engines/runtime/process.py); by default none does."""
         self.specs = {s.id: s for s in specs}
+        self._engine_process = engine_process
         self._worker_options = {"max_queue": max_queue, "timeout_s": request_timeout_s}
         self.factory = factory
         self._default_engine = {
@@ -110,9 +116,13 @@ class ModelRegistry:
                 return worker
             if not self.factory.available(name):
                 raise backend_missing(name)  # names the extra to install
-            worker = EngineWorker(f"{spec.id}/{name}", **self._worker_options)
+            # A thread: deciding may import torch (seconds), which must not stall the server.
+            process = self._engine_process is not None and await asyncio.to_thread(
+                self._engine_process, spec, name)
+            worker = EngineWorker(f"{spec.id}/{name}", process=process, **self._worker_options)
             try:
-                await worker.load(lambda: self.factory.create(name, spec))
+                # A partial, not a lambda: it is pickled when the engine has its own process.
+                await worker.load(partial(self.factory.create, name, spec))
             except EngineError:
                 worker.close()
                 raise
@@ -142,6 +152,25 @@ class ModelRegistry:
         for worker in self._workers.values():
             worker.close()
         self._workers.clear()
+
+
+def process_policy(mode: str, device: str) -> Callable[[ModelSpec, str], bool]:
+    """Whether a model's engine gets a process of its own (--engine-process): generating
+    engines only (a classifier runs one request at a time); auto decides by the torch device,
+    found on first use rather than at start-up (it imports torch)."""
+
+    def decide(spec: ModelSpec, engine: str) -> bool:
+        if spec.task != "generate" or mode == "off":
+            return False
+        if mode == "on":
+            return True
+        if not backend_available("torch"):
+            return False
+        from engines.device import choose_device
+
+        return wants_process(mode, choose_device(device))
+
+    return decide
 
 
 def _default_engine(spec: ModelSpec, requested: str) -> str:

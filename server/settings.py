@@ -74,6 +74,10 @@ class Settings(BaseSettings):
         None, ge=1, description="Bytes of KV cache per engine (e.g. 2GiB, 512MB); default: "
         "max_batch full contexts, at most half the memory free once the weights are loaded",
     )
+    engine_process: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run each generating engine in a process of its own, so the HTTP "
+        "side never holds up its steps (auto: on CUDA)",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Time limit of one generation request, queueing included"
     )

@@ -7,6 +7,10 @@ max_queue waiting), given a stop flag and a deadline (the request time limit, it
 included), and counted as pending until the engine thread has finished with it, not merely
 until its caller gave up. A caller that leaves or runs out of time sets the stop flag; the loop
 reads it at its next step and the sequence leaves the batch there.
+
+The loop runs on a thread of this process (EngineLoop) or, with process=True, in a child
+process of its own (engines/runtime/process.py), where the HTTP side's work does not hold up
+the engine's steps. The worker is the same either way; a job's function must then pickle.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from engines.base import Cancelled, Engine, GenerationEvent, RequestStats, SamplingParams, StopCheck
+from engines.base import Engine, GenerationEvent, RequestStats, SamplingParams, StopCheck
 from engines.runtime.loop import EngineLoop
+from engines.runtime.process import ProcessLoop
 from engines.runtime.runtime import Submission
 
 from .errors import queue_full, request_timed_out
@@ -50,7 +55,8 @@ class WorkerStatus:
 
 
 class EngineWorker:
-    def __init__(self, label: str, *, max_queue: int = 32, timeout_s: float | None = None):
+    def __init__(self, label: str, *, max_queue: int = 32, timeout_s: float | None = None,
+                 process: bool = False):
         self.label = label
         self.engine: Engine | None = None
         self.max_queue = max_queue
@@ -58,12 +64,14 @@ class EngineWorker:
         self._jobs: list[Job] = []  # admitted and not finished by the engine thread, in order
         self._lock = threading.Lock()  # _jobs changes on the event loop and the engine thread
         self._mean_s = 1.0  # a running mean of job times, for Retry-After
-        self.loop = EngineLoop(label)
+        self.loop: EngineLoop | ProcessLoop = ProcessLoop(label) if process else EngineLoop(label)
         self._waker: Waker | None = None
 
     @property
     def loaded(self) -> bool:
-        return self.engine is not None
+        """An engine is there to take work (false once an engine process died: the registry
+        then loads it again)."""
+        return self.engine is not None and self.loop.alive
 
     @property
     def pending(self) -> int:
@@ -106,21 +114,33 @@ class EngineWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the engine's thread, after the jobs submitted before it. Not admitted nor
-        counted: for loading and closing, not for requests."""
+        counted: for loading and closing, not for requests. In-process loops only."""
         return await asyncio.wrap_future(self.loop.submit(lambda: fn(*args)))
 
     async def call(self, kind: JobKind, fn: Callable[[Engine, StopCheck], T], *,
-                   bounded: bool = True) -> T:
+                   bounded: bool = True, also_stop: threading.Event | None = None) -> T:
         """fn(engine, should_stop) on the engine's thread as one job, between two steps. A
         caller that is cancelled, or whose time runs out (504), stops the job at its next step;
-        either way the job stays pending until the thread is done with it. bounded=False admits
-        past the queue bound (a bench's next run, which keeps at most one job queued)."""
+        either way the job stays pending until the engine is done with it. bounded=False admits
+        past the queue bound (a bench's next run, which keeps at most one job queued);
+        also_stop stops the job too once set. fn must pickle (a module-level function or a
+        partial of one): the engine may run in another process."""
         job = self._admit(kind, bounded)
-        done = asyncio.wrap_future(self.loop.submit(lambda: self._execute(job, fn)))
+
+        def should_stop() -> bool:
+            return job.stop.is_set() or (also_stop is not None and also_stop.is_set())
+
+        def on_start() -> None:
+            job.started = time.monotonic()
+
+        future = self.loop.run_job(fn, should_stop, on_start)
+        # Released once the engine is done with it, not when its caller gives up.
+        future.add_done_callback(lambda _: self._release(job))
+        done = asyncio.wrap_future(future)
         # Read the outcome even when nobody waits for it any more (no "never retrieved" noise).
         done.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            # shield: a queued job must still reach the thread, which is where it is released.
+            # shield: a queued job must still reach the engine, which is where it is released.
             return await asyncio.wait_for(asyncio.shield(done), self._time_left(job))
         except TimeoutError:
             raise request_timed_out(self.timeout_s) from None
@@ -207,23 +227,10 @@ class EngineWorker:
                 if job.started is not None:
                     self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
 
-    def _execute(self, job: Job, fn: Callable[[Engine, StopCheck], T]) -> T:
-        """On the engine thread: run the job unless it was stopped while it waited."""
-        try:
-            if job.stop.is_set():
-                raise Cancelled()
-            job.started = time.monotonic()
-            return fn(self.engine, job.stop.is_set)
-        finally:
-            self._release(job)
-
     async def load(self, make: Callable[[], Engine]) -> Engine:
-        def build() -> Engine:
-            engine = make()
-            self.loop.attach(engine)
-            return engine
-
-        self.engine = await self.run(build)
+        """make() builds the engine on the engine's thread (or in its process: then make must
+        pickle)."""
+        self.engine = await asyncio.wrap_future(self.loop.load(make))
         return self.engine
 
     def stop_all(self) -> None:
@@ -237,9 +244,7 @@ class EngineWorker:
         timeout_s. Returns whether it closed in time."""
         self.stop_all()
         engine, self.engine = self.engine, None
-        if engine is not None:
-            self.loop.submit(engine.close)
-        self.loop.close()
+        self.loop.close(engine)
         # The loop ends stopped generations, closes the engine and exits: wait for all of it,
         # so nothing of the engine's is still running when the process goes on to exit.
         return await asyncio.to_thread(self.loop.join, timeout_s)
@@ -247,9 +252,7 @@ class EngineWorker:
     def close(self) -> None:
         self.stop_all()
         engine, self.engine = self.engine, None
-        if engine is not None:
-            self.loop.submit(engine.close)
-        self.loop.close()
+        self.loop.close(engine)
 
 
 class Waker:

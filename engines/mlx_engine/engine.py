@@ -20,8 +20,8 @@ from ..runtime.sizing import (
     DEFAULT_MAX_BATCH,
     describe_pool,
     fit_context,
-    prefill_budget,
     pool_info,
+    prefill_budget,
     size_pool,
 )
 from ..tokenizer import ChatTokenizer

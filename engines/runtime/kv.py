@@ -23,6 +23,9 @@ class KVPoolTooSmall(EngineError):
         self.tokens = tokens
         self.capacity = capacity
 
+    def __reduce__(self):  # pickled across the engine process's pipe
+        return type(self), (self.tokens, self.capacity)
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, bytes_per_token: int = 0):

@@ -3,8 +3,9 @@ happiest that way too) and alternates between the runtime's steps, which advance
 generation at once, and exclusive jobs (loading, a classification, a bench run, closing), which
 run whole between two steps in the order they came.
 
-Other threads talk to it only through submit(), add() and close(); events flow back through
-each generation's emit callback, on this thread."""
+Other threads talk to it only through submit(), load(), run_job(), add() and close(); events
+flow back through each generation's emit callback, on this thread. process.py offers the same
+interface with the engine in a child process."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from ..base import Cancelled, StopCheck
 from .runtime import Runtime, Submission
 
 log = logging.getLogger("duet.runtime")
 
 
 class EngineLoop:
-    def __init__(self, name: str, **runtime_options):
+    def __init__(self, name: str, *, after: Callable[[], None] | None = None, **runtime_options):
+        """after, if given, is called on the loop's thread after every step or job (the engine
+        process sends the step's events there)."""
         self.name = name
+        self._after = after
         self.engine: Any = None
         self.runtime: Runtime | None = None
         self._runtime_options = runtime_options
@@ -46,6 +51,28 @@ class EngineLoop:
             self._wake.notify()
         return future
 
+    def load(self, make: Callable[[], Any]) -> Future:
+        """Build the engine on the loop's thread (make()) and attach it; the future gives it."""
+        def build():
+            engine = make()
+            self.attach(engine)
+            return engine
+
+        return self.submit(build)
+
+    def run_job(self, fn: Callable[[Any, StopCheck], Any], should_stop: StopCheck,
+                on_start: Callable[[], None] | None = None) -> Future:
+        """fn(engine, should_stop) between two steps; Cancelled without running it if
+        should_stop already says so when its turn comes."""
+        def job():
+            if should_stop():
+                raise Cancelled()
+            if on_start is not None:
+                on_start()
+            return fn(self.engine, should_stop)
+
+        return self.submit(job)
+
     def attach(self, engine) -> None:
         """Called on the loop's thread (a job) once the engine exists."""
         self.engine = engine
@@ -61,12 +88,19 @@ class EngineLoop:
             self._new.append(sub)
             self._wake.notify()
 
-    def close(self) -> None:
+    def close(self, engine=None) -> None:
         """Stop at the next step: running generations end as cancelled, queued jobs are
-        refused, the thread exits. Jobs submitted before (an engine's close) still run."""
+        refused, the thread exits. Jobs submitted before still run, then engine.close() if
+        an engine is given."""
+        if engine is not None:
+            self.submit(engine.close)
         with self._wake:
             self._closing = True
             self._wake.notify()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closing
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
@@ -98,8 +132,12 @@ class EngineLoop:
                 break
             if self._busy():
                 self._step()
+            if self._after is not None:
+                self._after()
         if self.runtime is not None:
             self.runtime.stop_all()
+        if self._after is not None:
+            self._after()
 
     def _busy(self) -> bool:
         return self.runtime is not None and self.runtime.has_work

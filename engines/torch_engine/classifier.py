@@ -13,15 +13,15 @@ import torch
 
 from ..base import (
     ClassificationResult,
-    StopCheck,
-    check_stop,
     ClassifyParams,
     EngineInfo,
     InputClassification,
     LabelScore,
     RequestStats,
+    StopCheck,
     UnsupportedModel,
     check_context,
+    check_stop,
 )
 from ..classify import Pacer
 from ..device import choose_device, choose_dtype, memory_meter, torch_dtype

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
+
 from ..base import ContinuationScores, StopCheck, check_stop
 from ..classify import Pacer, right_pad, shared_prefix_len
 from .model import KVCache, Transformer

@@ -1,6 +1,7 @@
 """Many simultaneous requests on the real default model never mix: 16 concurrent greedy
 requests with different prompts, half of them streaming, spread over both engines, give exactly
-what they give one at a time; and a short request sent while long ones stream finishes long
+what they give one at a time, with the engines on threads of the server or in processes of their
+own; and a short request sent while long ones stream finishes long
 before them (it joins the running batch instead of waiting for it)."""
 
 import asyncio
@@ -29,33 +30,34 @@ def engine_of(i: int) -> str:
     return "torch" if i % 4 < 2 else "mlx"  # each engine gets streaming and plain requests
 
 
+async def together(url: str) -> list[str]:
+    """The 16 requests at once, half of them streaming."""
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+    async def one(i: int, topic: str) -> str:
+        if i % 2:
+            stream = await aclient.chat.completions.create(**ask(topic, engine_of(i)), stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        resp = await aclient.chat.completions.create(**ask(topic, engine_of(i)))
+        return resp.choices[0].message.content
+
+    try:
+        return await asyncio.gather(*(one(i, t) for i, t in enumerate(TOPICS)))
+    finally:
+        await aclient.close()
+
+
 def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers():
-    with LiveServer(create_app(Settings())) as server:
+    with LiveServer(create_app(Settings(engine_process="off"))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
         sequential = [client.chat.completions.create(**ask(t, engine_of(i)))
                       .choices[0].message.content for i, t in enumerate(TOPICS)]
-
-        async def together():
-            aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                                         timeout=300)
-
-            async def one(i: int, topic: str) -> str:
-                if i % 2:  # half of them stream
-                    stream = await aclient.chat.completions.create(**ask(topic, engine_of(i)),
-                                                                   stream=True)
-                    return "".join([c.choices[0].delta.content or "" async for c in stream
-                                    if c.choices])
-                resp = await aclient.chat.completions.create(**ask(topic, engine_of(i)))
-                return resp.choices[0].message.content
-
-            try:
-                return await asyncio.gather(*(one(i, t) for i, t in enumerate(TOPICS)))
-            finally:
-                await aclient.close()
-
-        concurrent = asyncio.run(together())
+        concurrent = asyncio.run(together(server.url))
     assert len(set(sequential)) > 8  # different prompts really give different answers
     assert concurrent == sequential
+    # Each engine in a process of its own (the default on CUDA) answers the same.
+    with LiveServer(create_app(Settings(engine_process="on"))) as server:
+        assert asyncio.run(together(server.url)) == sequential
 
 
 def test_a_short_request_during_long_ones_finishes_long_before_them():

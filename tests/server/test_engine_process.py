@@ -1,0 +1,272 @@
+"""An engine in a process of its own (engines/runtime/process.py) behaves as one on a thread of
+the server: the same tokens for concurrent requests, stops and time limits that free the
+sequence in the child, errors that keep their type (so the same HTTP status), jobs, a clean
+close, and a child that dies ends its requests with an error instead of leaving them hanging,
+after which the registry loads the engine anew."""
+
+import asyncio
+import os
+import pickle
+import signal
+import threading
+import time
+from functools import partial
+
+import pytest
+
+from engines.base import (
+    BackendMissing,
+    Cancelled,
+    ClassifyParams,
+    ContextLengthExceeded,
+    RequestStats,
+    SamplingParams,
+    UnsupportedModel,
+)
+from engines.factory import create_engine
+from engines.fake import EOS, FakeEngine
+from engines.runtime.kv import KVPoolTooSmall
+from engines.runtime.process import EngineProcessError, _portable, wants_process
+from server.classify_service import _classify
+from server.errors import APIError
+from server.worker import EngineWorker
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class EchoEngine(FakeEngine):
+    """Replies with its prompt reversed: every request's answer is its own."""
+
+    def script(self, prompt_ids):
+        return [*reversed(prompt_ids), EOS]
+
+
+def echo(**kw):
+    return partial(EchoEngine, "fake", max_batch=4, **kw)
+
+
+async def run(worker: EngineWorker, prompt: str, max_tokens: int = 64):
+    ids = worker.engine.tokenize(prompt)
+    text, last = "", None
+    async for batch in worker.generate(ids, SamplingParams(max_tokens=max_tokens,
+                                                            temperature=0.0)):
+        for event in batch:
+            if isinstance(event, RequestStats):
+                last = event
+            else:
+                text += event.text
+    return text, last.finish_reason, last.completion_tokens
+
+
+async def until(check, limit_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        await asyncio.sleep(0.02)
+    return check()
+
+
+async def started(make, **options) -> EngineWorker:
+    worker = EngineWorker("child", process=True, **options)
+    await worker.load(make)
+    return worker
+
+
+async def test_concurrent_requests_get_what_they_get_in_process():
+    prompts = [f"request number {i}: " + "x" * i for i in range(8)]
+    results = {}
+    for process in (False, True):
+        worker = EngineWorker("w", process=process, max_queue=8)
+        await worker.load(echo(token_delay_s=0.002))
+        try:
+            results[process] = await asyncio.gather(
+                *(run(worker, p, max_tokens=10 + 3 * i) for i, p in enumerate(prompts)))
+            assert await until(lambda: worker.pending == 0)
+            status = worker.runtime_status()
+            assert status["max_batch"] == 4 and status["kv_cache_tokens"] > 0
+            assert await until(lambda: worker.runtime_status()["kv_cache_used_tokens"] == 0)
+        finally:
+            assert await worker.aclose(10)
+    assert results[True] == results[False]
+    assert [r[0] for r in results[True]] == [p[::-1][:10 + 3 * i] for i, p in enumerate(prompts)]
+
+
+async def test_the_batch_and_kv_use_show_while_requests_run():
+    worker = await started(echo(token_delay_s=0.01), max_queue=8)
+    try:
+        tasks = [asyncio.create_task(run(worker, "y" * 40)) for _ in range(3)]
+        assert await until(lambda: worker.runtime_status()["batch"] == 3)
+        assert worker.runtime_status()["kv_cache_used_tokens"] > 0
+        assert worker.status().running == 3
+        await asyncio.gather(*tasks)
+    finally:
+        await worker.aclose(10)
+
+
+async def test_a_consumer_that_leaves_frees_its_sequence_in_the_child():
+    worker = await started(echo(token_delay_s=0.01), max_queue=0)
+    try:
+        stream = worker.generate(worker.engine.tokenize("z" * 200), SamplingParams(max_tokens=300))
+        await anext(stream)
+        await stream.aclose()
+        # Left alone it would run 3 s more.
+        assert await until(lambda: worker.pending == 0, limit_s=1.0)
+        assert await until(lambda: worker.runtime_status()["kv_cache_used_tokens"] == 0, 1.0)
+        assert (await run(worker, "abc"))[0] == "cba"  # and the engine goes on
+    finally:
+        await worker.aclose(10)
+
+
+async def test_a_time_limit_stops_the_sequence_in_the_child():
+    worker = await started(echo(token_delay_s=0.02), timeout_s=0.3)
+    try:
+        with pytest.raises(APIError) as caught:
+            await run(worker, "q" * 200, max_tokens=200)
+        assert caught.value.status == 504
+        # Left alone it would run 3.7 s more.
+        assert await until(lambda: worker.pending == 0, limit_s=1.0)
+        assert await until(lambda: worker.runtime_status()["kv_cache_used_tokens"] == 0, 1.0)
+    finally:
+        await worker.aclose(10)
+
+
+async def test_errors_cross_with_their_type():
+    worker = await started(echo(context_length=64))
+    try:
+        with pytest.raises(ContextLengthExceeded) as caught:
+            await run(worker, "p" * 60, max_tokens=10)
+        assert (caught.value.prompt_tokens, caught.value.context_length) == (60, 64)
+        assert worker.pending == 0
+    finally:
+        await worker.aclose(10)
+    for exc in (KVPoolTooSmall(100, 64), BackendMissing("mlx", "mlx_lm", "mlx"),
+                ContextLengthExceeded(5, 6, 7)):
+        back = _portable(exc)
+        assert type(back) is type(exc) and str(back) == str(exc)
+
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    # An exception that does not survive pickling still arrives, as its type and message.
+    assert str(_portable(Odd(1, 2))) == "Odd: 1/2"
+
+
+async def test_jobs_run_in_the_child_and_stop_when_asked():
+    params = ClassifyParams(inputs=("this is about sport", "a text on cooking"),
+                            labels=("sport", "cooking"))
+    answers = []
+    for process in (False, True):
+        worker = EngineWorker("w", process=process)
+        await worker.load(echo())
+        try:
+            result = await worker.call("classification", partial(_classify, params))
+            answers.append([r.label for r in result.results])
+            gone = threading.Event()
+            gone.set()
+            with pytest.raises(Cancelled):
+                await worker.call("bench", partial(_classify, params), also_stop=gone)
+            assert await until(lambda: worker.pending == 0)
+        finally:
+            await worker.aclose(10)
+    assert answers == [["sport", "cooking"]] * 2
+
+    worker = await started(echo())
+    try:
+        with pytest.raises(RuntimeError, match="cannot be sent"):
+            await worker.call("bench", lambda engine, stop: 1)  # a lambda does not pickle
+        assert worker.pending == 0
+    finally:
+        await worker.aclose(10)
+
+
+async def test_close_ends_running_requests_and_the_process():
+    worker = await started(echo(token_delay_s=0.02))
+    process = worker.loop._process
+    task = asyncio.create_task(run(worker, "w" * 200, max_tokens=200))
+    assert await until(lambda: worker.status().running == 1)
+    assert await worker.aclose(10)
+    text, reason, _ = await asyncio.wait_for(task, 10)
+    assert reason == "cancelled" and 0 < len(text) < 200
+    assert not process.is_alive()
+
+
+async def test_a_dead_engine_process_ends_its_requests_with_an_error():
+    worker = await started(echo(token_delay_s=0.02), max_queue=4)
+    try:
+        tasks = [asyncio.create_task(run(worker, "v" * 200, max_tokens=200)) for _ in range(2)]
+        assert await until(lambda: worker.status().running == 2)
+        os.kill(worker.loop._process.pid, signal.SIGKILL)
+        for task in tasks:
+            with pytest.raises(EngineProcessError, match="exit code -9"):
+                await asyncio.wait_for(task, 10)
+        assert worker.pending == 0
+        assert not worker.loaded  # so the registry loads it anew
+    finally:
+        await worker.aclose(10)
+
+
+async def test_a_load_that_fails_in_the_child_keeps_its_error(tmp_path):
+    worker = EngineWorker("w", process=True)
+    make = partial(create_engine, "mlx", tmp_path, context_length=64, task="classify")
+    with pytest.raises(UnsupportedModel):
+        await worker.load(make)
+    assert not worker.loaded
+    assert worker.loop.join(10)
+
+
+def test_the_auto_mode_asks_for_a_process_on_cuda_only():
+    assert wants_process("auto", "cuda") and wants_process("auto", "cuda:1")
+    assert not wants_process("auto", "cpu") and not wants_process("auto", "mps")
+    assert wants_process("on", "cpu") and not wants_process("off", "cuda")
+    with pytest.raises(ValueError):
+        wants_process("sometimes", "cpu")
+    assert pickle.loads(pickle.dumps(echo()))  # what the registry sends must pickle
+
+
+def test_the_http_api_through_an_engine_process(make_client):
+    """The server with --engine-process on: generation (plain and streamed), zero-shot
+    classification, /health with the child's batch and KV pool; a killed child is loaded anew on
+    the next request; closing the app leaves no engine process behind."""
+    from tests.server.conftest import FakeFactory
+    from tests.server.test_api import CHAT, REPLY, sse_events
+
+    with make_client(FakeFactory(token_delay_s=0.002, max_batch=4), engine_process="on") as client:
+        body = client.post("/v1/chat/completions", json=CHAT).json()
+        assert body["choices"][0]["message"]["content"] == REPLY
+        assert body["metrics"]["engine"] == "torch"
+        events = sse_events(client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "Hi", "stream": True}).text)
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == REPLY
+        labels = client.post("/v1/classifications", json={
+            "model": "tiny", "input": ["all about sport", "all about cooking"],
+            "labels": ["sport", "cooking"]}).json()
+        assert [r["label"] for r in labels["data"]] == ["sport", "cooking"], labels
+        bench = client.post("/bench", json={"engines": ["torch"], "prompts": ["a b", "c d"],
+                                             "max_tokens": 4, "repeats": 1, "warmup": 0}).json()
+        runs = [r for r in bench["runs"] if r["target"] == "torch"]
+        assert len(runs) == 2 and all(r["completion_tokens"] == 4 for r in runs), bench
+        (state,) = client.get("/health").json()["engines"]
+        assert state["max_batch"] == 4 and state["kv_cache_tokens"] > 0
+        registry = client.app.state.registry
+        (_, _, worker), = registry.loaded_workers()
+        child = worker.loop._process
+        assert worker.loop.alive and child.is_alive()
+
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while worker.loaded and time.monotonic() < deadline:
+            time.sleep(0.02)
+        body = client.post("/v1/chat/completions", json=CHAT).json()
+        assert body["choices"][0]["message"]["content"] == REPLY  # a new child took over
+        (_, _, worker), = registry.loaded_workers()
+        child = worker.loop._process
+        assert child.is_alive()
+    child.join(10)
+    assert not child.is_alive()
