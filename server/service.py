@@ -134,7 +134,7 @@ class GenerationService:
                     # A batch holds what arrived since the last look: one chunk carries it all.
                     text = "".join(e.text for e in batch if isinstance(e, Step))
                     if text:
-                        yield sse(shape.chunk(text, include_usage=include_usage))
+                        yield shape.text_event(text, include_usage)
                     if isinstance(batch[-1], RequestStats):
                         yield sse(shape.chunk(stats=batch[-1], include_usage=include_usage))
                         if include_usage:

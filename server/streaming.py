@@ -16,6 +16,7 @@ def sse(payload: dict | str) -> str:
 
 
 DONE = sse("[DONE]")
+_SLOT = "\u0001"  # where a chunk's text goes: JSON escapes it, no model id or text field holds it
 
 
 def usage(stats: RequestStats) -> dict:
@@ -55,6 +56,7 @@ class ResponseShape:
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._text_events: dict[bool, tuple[str, str]] = {}
 
     def _base(self, chunk: bool) -> dict:
         if self.chat:
@@ -90,6 +92,17 @@ class ResponseShape:
         if stats is not None:
             out["metrics"] = metrics(stats)
         return out
+
+    def text_event(self, text: str, include_usage: bool = False) -> str:
+        """sse(self.chunk(text, include_usage=...)), the same bytes, from a template made once
+        per response: a busy stream sends thousands of these a second, and only the text
+        changes between them."""
+        template = self._text_events.get(include_usage)
+        if template is None:
+            whole = json.dumps(self.chunk(_SLOT, include_usage=include_usage), ensure_ascii=False)
+            before, _, after = whole.partition(json.dumps(_SLOT))
+            template = self._text_events[include_usage] = ("data: " + before, after + "\n\n")
+        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
 
     def usage_chunk(self, stats: RequestStats) -> dict:
         return {**self._base(True), "choices": [], "usage": usage(stats), "metrics": metrics(stats)}

@@ -73,3 +73,15 @@ def test_valid_requests_are_accepted_and_kept(temperature, top_p, top_k, seed, s
     assert params.seed == (None if seed is None else seed % 2**64)
     assert req.template_messages() == [{"role": "user", "content": content}]
     check_sound(req)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(min_size=1), chat=st.booleans(), include_usage=st.booleans(),
+       model=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,20}", fullmatch=True))
+def test_a_templated_text_event_is_the_chunk_sse_would_make(text, chat, include_usage, model):
+    from server.streaming import ResponseShape, sse
+
+    shape = ResponseShape(chat=chat, model=model)
+    for _ in range(2):  # the template's first use, then a reuse
+        assert shape.text_event(text, include_usage) == sse(
+            shape.chunk(text, include_usage=include_usage))
