@@ -29,6 +29,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--cache", default="/tmp/duet-profile")
+    parser.add_argument("--waves", type=int, default=1,
+                        help="add the prompts in this many groups, one group a step, as "
+                        "requests arriving over a few ms reach a server")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     path = write_dummy_model(args.model, Path(args.cache) / args.model)
@@ -43,15 +46,16 @@ def main() -> int:
             runtime = Runtime(engine, max_batch=b)
             done = []
             started = time.perf_counter()
-            for p in prompts:
-                runtime.add(Submission(p, params, lambda e: done.append(e)))
+            waves = [prompts[i::args.waves] for i in range(args.waves)]
             steps = 0
-            while runtime.has_work:
+            while waves or runtime.has_work:
+                for p in waves.pop(0) if waves else ():
+                    runtime.add(Submission(p, params, lambda e: done.append(e)))
                 runtime.step()
                 steps += 1
             duet_s = time.perf_counter() - started
             ref_s = reference.run_batch(prompts, args.max_tokens)
-        print(f"B={b}: duet engine {b * args.max_tokens / duet_s:8.1f} tok/s ({steps} steps, "
+        print(f"B={b} in {args.waves} wave(s): duet engine {b * args.max_tokens / duet_s:8.1f} tok/s ({steps} steps, "
               f"{duet_s / steps * 1000:.2f} ms a step); mlx-lm BatchGenerator "
               f"{b * args.max_tokens / ref_s:8.1f} tok/s; ratio {ref_s / duet_s:.2f}", flush=True)
     return 0
