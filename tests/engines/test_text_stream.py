@@ -118,6 +118,22 @@ def test_max_tokens_inside_a_partial_stop_releases_held_text():
     assert text == "abc\nUs" and stats.finish_reason == "length"
 
 
+def test_a_stop_found_only_when_the_text_ends_still_says_stop():
+    # "y" is a stop, but "xyz1" began before it and might still complete, so "xy" is held back
+    # until the generation ends (max_tokens): then "y" wins, and the reason is stop, not length.
+    ids = ByteTokenizer().encode("xy")
+    text, stats = _run(ids, SamplingParams(max_tokens=2, stop=("xyz1", "y")))
+    assert text == "x" and stats.finish_reason == "stop"
+
+
+def test_a_character_cut_off_by_max_tokens_still_sends_its_bytes():
+    # The detokenizer holds an incomplete character back; the end releases it (as U+FFFD).
+    ids = ByteTokenizer().encode("a🙂")[:3]
+    text, stats = _run(ids, SamplingParams(max_tokens=3))
+    assert text == "a" + ByteTokenizer().decode(ids[1:]) != "a"
+    assert stats.finish_reason == "length"
+
+
 def test_ignore_eos_keeps_going():
     ids = [65, EOS, 66]
     text, stats = _run(ids, SamplingParams(max_tokens=3, ignore_eos=True))
@@ -136,3 +152,30 @@ def test_the_rust_stream_gives_the_windowed_deltas(byte_bpe, text):
     assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids]
     assert fast.flush() == slow.flush()
 
+
+
+def test_request_stats_are_computed_from_the_request_own_times():
+    """Arrival 10.0, first scheduled 10.25, tokens at 10.5 and 10.75, closed at 11.0."""
+    times = iter([10.5, 10.75, 11.0])
+    out = RequestOutput(ByteTokenizer(), SamplingParams(max_tokens=2), prompt_tokens=3,
+                        engine="torch", device="cuda", arrival=10.0, clock=lambda: next(times))
+    out.scheduled_at = 10.25
+    out.peak_memory_bytes, out.kv_cache_bytes = 123, 456
+    events = out.add(65) + out.add(66)
+    assert out.done and [e.text for e in events] == ["A", "B"]
+    last, stats = out.close()
+    assert (last.token_id, last.text, last.finish_reason) == (66, "", "length")
+    assert stats == RequestStats(
+        prompt_tokens=3, completion_tokens=2, ttft_s=0.5, prefill_tokens_per_s=12.0,
+        decode_tokens_per_s=4.0, peak_memory_bytes=123, kv_cache_bytes=456, engine="torch",
+        device="cuda", finish_reason="length", total_s=1.0, queue_s=0.25)
+
+
+def test_a_request_cancelled_before_its_first_token_reports_no_speeds():
+    times = iter([10.5])
+    out = RequestOutput(ByteTokenizer(), SamplingParams(max_tokens=5), prompt_tokens=3,
+                        engine="mlx", device="cpu", arrival=10.0, clock=lambda: next(times))
+    last, stats = out.close("cancelled")
+    assert last.finish_reason == stats.finish_reason == "cancelled" and last.text == ""
+    assert (stats.completion_tokens, stats.ttft_s, stats.total_s, stats.queue_s) == (0, 0.5, 0.5, 0.5)
+    assert stats.prefill_tokens_per_s == stats.decode_tokens_per_s == 0.0
