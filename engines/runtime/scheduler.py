@@ -45,7 +45,6 @@ class Sequence:
     inflight: int = 0  # tokens sampled by a launched step that the host has not read yet
     first_scheduled: float | None = None
     peak_blocks: int = 0
-    preemptions: int = 0
 
     @property
     def length(self) -> int:
@@ -200,7 +199,6 @@ class Scheduler:
         self._released.append(seq.seq_id)
         self.pool.release(seq.blocks)
         seq.computed = 0
-        seq.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _row(self, seq: Sequence, n: int) -> ScheduledSeq:

@@ -171,3 +171,43 @@ def test_a_late_executor_is_not_fed_a_token_it_has_not_answered():
     sched.update(plan, StepOutput({0: 9}))
     row, = sched.schedule().rows
     assert row.tokens == (9,) and row.draws == 1
+
+
+def test_a_preempted_sequence_is_released_to_the_executor_each_time():
+    """The executor drops a preempted sequence's state (MLX keeps its cache) before it is
+    prefilled again: every preemption, and every finish, reaches it as a released id."""
+    from collections import Counter
+
+    sched = Scheduler(BlockPool(6, 4), max_batch=8, max_prefill_tokens=1000)
+    for i in range(3):
+        sched.add(seq(i, 4, max_tokens=12))
+    preempted = Counter()
+    original = sched._preempt
+    sched._preempt = lambda s: (preempted.update([s.seq_id]), original(s))
+    released = Counter()
+    while sched.has_work:
+        released.update(run_step(sched).released)
+    released.update(sched.take_released())
+    assert sum(preempted.values()) > 0
+    assert released == Counter({i: preempted[i] + 1 for i in range(3)})
+
+
+def test_a_waiting_sequence_that_is_removed_never_runs():
+    sched = Scheduler(BlockPool(100, 16), max_batch=1, max_prefill_tokens=1000)
+    waiting = [seq(i, 5, max_tokens=2) for i in range(3)]
+    for s in waiting:
+        sched.add(s)
+    run_step(sched)  # seq 0 runs; 1 and 2 wait
+    sched.remove(waiting[1])  # its client left while it waited
+    ran = []
+    while sched.has_work:
+        ran += [r.seq_id for r in run_step(sched).prefill]
+    assert ran == [2] and 1 not in [s.seq_id for s in sched.waiting]
+
+
+def test_a_sequence_may_take_the_last_free_blocks_exactly():
+    pool = BlockPool(4, 16)
+    blocks: list[int] = []
+    assert pool.grow(blocks, 64) and len(blocks) == 4 and pool.free_blocks == 0
+    assert pool.grow(blocks, 64)  # nothing more needed
+    assert not pool.grow(blocks, 65) and len(blocks) == 4
