@@ -297,7 +297,12 @@ class ProcessLoop:
                 raise RuntimeError(f"the {self.name} engine loop is closed")
             key = next(self._keys)
             self._subs[key] = sub
-        self._send(("add", key, list(sub.prompt_ids), sub.params, sub.arrival))
+        try:
+            self._send(("add", key, list(sub.prompt_ids), sub.params, sub.arrival))
+        except (OSError, ValueError) as exc:  # the child died before the reader noticed
+            with self._lock:
+                self._subs.pop(key, None)
+            raise EngineProcessError(f"the {self.name} engine's process is gone: {exc}") from exc
 
     def run_job(self, fn: Callable[[Any, StopCheck], Any], should_stop: StopCheck,
                 on_start: Callable[[], None] | None = None) -> Future:

@@ -270,3 +270,16 @@ def test_the_http_api_through_an_engine_process(make_client):
         assert child.is_alive()
     child.join(10)
     assert not child.is_alive()
+
+
+async def test_a_request_sent_to_a_gone_process_is_an_engine_error():
+    """The child died and the reader has not noticed yet: the request fails at once, as an
+    EngineError (a 503), and holds no slot."""
+    worker = await started(echo())
+    try:
+        worker.loop._commands.close()
+        with pytest.raises(EngineProcessError):
+            await run(worker, "abc")
+        assert worker.pending == 0
+    finally:
+        await worker.aclose(10)
