@@ -166,3 +166,26 @@ def test_mlx_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
     got, _ = run_together(Runtime(engine, max_batch=3), list(zip(PROMPTS, params)),
                           join_at=[0, 1, 0])
     assert got == expected
+
+
+@pytest.mark.parametrize("gather_s, inserts", [(60.0, 2), (0.0, 4)])
+def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gather_s, inserts):
+    """Each BatchGenerator.insert is a prefill and a merge into the running batch: prompts that
+    arrive one a step while a batch runs are gathered (up to gather_s) and inserted at once,
+    and still get their solo tokens. An idle generator takes a prompt at once."""
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
+    jobs = list(zip(PROMPTS[:4], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                 ignore_eos=True)] * 4))
+    expected = [alone(engine, p, g) for p, g in jobs]
+    runtime = Runtime(engine, max_batch=4)
+    runtime.executor.gather_s = gather_s
+    calls = []
+    insert = runtime.executor._gen.insert
+    runtime.executor._gen.insert = lambda prompts, **kw: (calls.append(len(prompts)),
+                                                          insert(prompts, **kw))[1]
+    got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 4])
+    assert got == expected
+    assert len(calls) == inserts and sum(calls) == 4
