@@ -160,10 +160,10 @@ def process_policy(mode: str, device: str) -> Callable[[ModelSpec, str], bool]:
     found on first use rather than at start-up (it imports torch)."""
 
     def decide(spec: ModelSpec, engine: str) -> bool:
-        if spec.task != "generate" or mode == "off":
+        if spec.task != "generate":
             return False
-        if mode == "on":
-            return True
+        if mode != "auto":
+            return wants_process(mode, device)
         if not backend_available("torch"):
             return False
         from engines.device import choose_device

@@ -76,8 +76,9 @@ class MLXExecutor:
             self._uid[row.seq_id], self._seq[uid] = uid, row.seq_id
 
     def release(self, seq_ids: Sequence[int]) -> None:
-        gone = set(seq_ids)
-        self._held = [row for row in self._held if row.seq_id not in gone]
+        if self._held and seq_ids:
+            gone = set(seq_ids)
+            self._held = [row for row in self._held if row.seq_id not in gone]
         uids = [self._uid.pop(s) for s in seq_ids if s in self._uid]
         for uid in uids:
             del self._seq[uid]

@@ -106,13 +106,6 @@ class EngineLoop:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def counts(self) -> tuple[int, int]:
-        """(running, waiting) generations, read without a lock: a snapshot for status pages."""
-        runtime = self.runtime
-        if runtime is None:
-            return 0, len(self._new)
-        return runtime.running, runtime.waiting + len(self._new)
-
     # -- the loop's thread --------------------------------------------------------------------
 
     def _run(self) -> None:

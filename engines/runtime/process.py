@@ -3,7 +3,7 @@
 In one process the HTTP side (parsing, JSON, SSE, sockets) and the engine's loop take turns on
 one GIL: at 64 streams on a GPU the loop waited for the interpreter more than for the device
 (2.5-4 ms a step through the server against 1.4 ms alone). ProcessLoop offers EngineLoop's
-interface (load, add, run_job, close, join, counts, runtime) with the engine, its runtime and
+interface (load, add, run_job, close, join, runtime) with the engine, its runtime and
 its loop in a spawned child, the way vLLM splits its engine core from its API server.
 
 The wire, one pipe each way:
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..base import Cancelled, EngineError, EngineInfo, RequestStats, Step, StopCheck
+from ..base import Cancelled, EngineError, EngineInfo, Step, StopCheck
 from ..generation import PromptSide
 from .loop import EngineLoop
 from .runtime import Submission
@@ -60,8 +60,6 @@ class RuntimeView:
     last_batch: int = 0
     step_s: float = 0.0
     execute_s: float = 0.0
-    running: int = 0
-    waiting: int = 0
 
 
 @dataclass
@@ -91,13 +89,13 @@ class RemoteEngine(PromptSide):
     limits and tokenizer (a copy: prompts are encoded here, the child detokenizes), and its KV
     pool as of the last step. Work goes through the ProcessLoop."""
 
-    def __init__(self, *, name: str, device: str, info: EngineInfo, tokenizer, context_length: int,
-                 max_batch: int, pool: PoolView | None):
+    def __init__(self, *, name: str, device: str, info: EngineInfo, tokenizer, max_batch: int,
+                 pool: PoolView | None):
         self.name = name
         self.device = device
         self.info = info
         self.tokenizer = tokenizer
-        self.context_length = context_length
+        self.context_length = info.context_length
         self.max_batch = max_batch
         if pool is not None:  # only a generating engine has one (the worker looks for it)
             self.kv_pool = pool
@@ -110,8 +108,7 @@ def _describe(engine) -> dict:
     pool = getattr(engine, "kv_pool", None)
     return {
         "name": engine.name, "device": engine.device, "info": engine.info,
-        "tokenizer": engine.tokenizer, "context_length": engine.info.context_length,
-        "max_batch": getattr(engine, "max_batch", 1),
+        "tokenizer": engine.tokenizer, "max_batch": getattr(engine, "max_batch", 1),
         "pool": None if pool is None else PoolView(pool.num_blocks, pool.block_size,
                                                    pool.bytes_per_token),
     }
@@ -183,10 +180,10 @@ class _Child:
         if type(event) is Step:
             self._put(("s", key, event.token_id, event.text, event.finish_reason))
             return
+        # Anything else ends the request: its RequestStats, or the exception that ended it.
         if isinstance(event, BaseException):
             event = _portable(event)
-        if isinstance(event, (RequestStats, BaseException)):
-            self._stopped.discard(key)
+        self._stopped.discard(key)
         self._put(("e", key, event))
 
     def _job_done(self, key: int, future: Future) -> None:
@@ -195,9 +192,8 @@ class _Child:
         if exc is not None:
             self._put(("fail", key, _portable(exc)))
             return
-        result = future.result()
-        try:
-            pickle.dumps(result)
+        try:  # pickled here, once: a result that cannot be must not break the whole message
+            result = pickle.dumps(future.result())
         except Exception as err:
             self._put(("fail", key, RuntimeError(f"the job's result cannot be sent: {err}")))
             return
@@ -205,11 +201,10 @@ class _Child:
 
     def _status(self) -> tuple:
         runtime = self.loop.runtime
-        pool = getattr(self.engine, "kv_pool", None)
         if runtime is None:
-            return (0, 0.0, 0.0, 0, 0, 0)
-        return (runtime.last_batch, runtime.step_s, runtime.execute_s, runtime.running,
-                runtime.waiting, pool.used_blocks if pool is not None else 0)
+            return (0, 0.0, 0.0, 0)
+        return (runtime.last_batch, runtime.step_s, runtime.execute_s,
+                runtime.scheduler.pool.used_blocks)
 
     def flush(self) -> None:
         """On the loop's thread after each step or job: everything since the last flush."""
@@ -359,10 +354,6 @@ class ProcessLoop:
         # reader marks the loop closed when the child's pipe ends, which is how death shows.
         return not self._closed and self.engine is not None
 
-    def counts(self) -> tuple[int, int]:
-        view = self.runtime
-        return (0, 0) if view is None else (view.running, view.waiting)
-
     # -- internals ------------------------------------------------------------------------------
 
     def _send(self, msg: tuple) -> None:
@@ -421,8 +412,7 @@ class ProcessLoop:
     def _dispatch(self, items: list[tuple], status: tuple) -> None:
         if self.runtime is not None:
             view = self.runtime
-            (view.last_batch, view.step_s, view.execute_s, view.running, view.waiting,
-             used) = status
+            view.last_batch, view.step_s, view.execute_s, used = status
             self.engine.kv_pool.used_blocks = used
         subs, jobs = self._subs, self._jobs
         for item in items:
@@ -431,14 +421,12 @@ class ProcessLoop:
                 sub = subs.get(key)
                 if sub is not None:
                     sub.emit(Step(item[2], item[3], item[4]))
-            elif kind == "e":
-                event = item[2]
+            elif kind == "e":  # a request's last event: its stats or the error that ended it
                 with self._lock:
-                    sub = subs.pop(key, None) if isinstance(
-                        event, (RequestStats, BaseException)) else subs.get(key)
+                    sub = subs.pop(key, None)
                     self._stop_sent.discard(key)
                 if sub is not None:
-                    sub.emit(event)
+                    sub.emit(item[2])
             elif kind == "start":
                 target = subs.get(key) or jobs.get(key)
                 if target is not None and target.on_start is not None:
@@ -449,7 +437,7 @@ class ProcessLoop:
                     self._stop_sent.discard(key)
                 if job is not None:
                     if kind == "done":
-                        job.future.set_result(item[2])
+                        job.future.set_result(pickle.loads(item[2]))
                     else:
                         job.future.set_exception(item[2])
 

@@ -70,14 +70,6 @@ class Runtime:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._launched is not None
 
-    @property
-    def running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or
         the KV pool) are raised here, before any event."""
