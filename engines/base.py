@@ -113,6 +113,11 @@ class EngineError(Exception):
     """Base for errors an engine reports to its caller with a meaningful message."""
 
 
+class EngineClosed(EngineError):
+    """The engine was closed (unloaded, the server shutting down) or is gone between the
+    request's routing and its start; nothing of the request ran, and a retry is routed anew."""
+
+
 class Cancelled(Exception):
     """Work stopped because its caller asked it to (the client left, or its time ran out).
     Not an EngineError: nothing is wrong with the engine or the request."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from ..base import Cancelled, StopCheck
+from ..base import Cancelled, EngineClosed, StopCheck
 from .runtime import Runtime, Submission
 
 log = logging.getLogger("duet.runtime")
@@ -45,7 +45,7 @@ class EngineLoop:
         future: Future = Future()
         with self._wake:
             if self._closing:
-                future.set_exception(RuntimeError(f"the {self.name} engine loop is closed"))
+                future.set_exception(EngineClosed(f"the {self.name} engine is closed"))
                 return future
             self._jobs.append((fn, future))
             self._wake.notify()
@@ -84,7 +84,7 @@ class EngineLoop:
         never get past arrive through sub.emit."""
         with self._wake:
             if self._closing:
-                raise RuntimeError(f"the {self.name} engine loop is closed")
+                raise EngineClosed(f"the {self.name} engine is closed")
             self._new.append(sub)
             self._wake.notify()
 

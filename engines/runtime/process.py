@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..base import Cancelled, EngineError, EngineInfo, Step, StopCheck
+from ..base import Cancelled, EngineClosed, EngineError, EngineInfo, Step, StopCheck
 from ..generation import PromptSide
 from .loop import EngineLoop
 from .runtime import Submission
@@ -49,7 +49,7 @@ def wants_process(mode: str, device: str) -> bool:
     return mode == "on" or (mode == "auto" and device.startswith("cuda"))
 
 
-class EngineProcessError(EngineError):
+class EngineProcessError(EngineClosed):
     """The engine's process ended under running work (killed, out of memory, a crash)."""
 
 
@@ -271,6 +271,7 @@ class ProcessLoop:
         # Two threads waiting on one child race in waitpid (the loser reads it as alive).
         self._wait_lock = threading.Lock()
         self._closed = False
+        self._gone = False  # the child ended by itself (not closed by us)
         self._process = None
         self._commands = None
         self._events = None
@@ -289,7 +290,7 @@ class ProcessLoop:
     def add(self, sub: Submission) -> None:
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"the {self.name} engine loop is closed")
+                raise self._closed_error()
             key = next(self._keys)
             self._subs[key] = sub
         try:
@@ -308,7 +309,7 @@ class ProcessLoop:
             return future
         with self._lock:
             if self._closed:
-                future.set_exception(RuntimeError(f"the {self.name} engine loop is closed"))
+                future.set_exception(self._closed_error())
                 return future
             key = next(self._keys)
             self._jobs[key] = _Job(future, should_stop, on_start)
@@ -453,9 +454,15 @@ class ProcessLoop:
                 except (OSError, ValueError):
                     return  # gone: _read sees it next
 
+    def _closed_error(self) -> EngineClosed:
+        if self._gone:
+            return EngineProcessError(f"the {self.name} engine's process is gone")
+        return EngineClosed(f"the {self.name} engine is closed")
+
     def _ended(self) -> None:
         """The child is gone: whatever it still owed ends with an error, never a hang."""
         with self._lock:
+            self._gone = not self._closed
             self._closed = True
             subs, self._subs = self._subs, {}
             jobs, self._jobs = self._jobs, {}

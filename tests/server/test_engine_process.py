@@ -273,13 +273,20 @@ def test_the_http_api_through_an_engine_process(make_client):
 
 
 async def test_a_request_sent_to_a_gone_process_is_an_engine_error():
-    """The child died and the reader has not noticed yet: the request fails at once, as an
-    EngineError (a 503), and holds no slot."""
+    """The child's pipe is gone: whether the reader has noticed yet (the child, reading the
+    end of its commands, stops) or not (the send fails), the request fails at once as an
+    EngineProcessError (a 503) and holds no slot."""
     worker = await started(echo())
     try:
         worker.loop._commands.close()
         with pytest.raises(EngineProcessError):
             await run(worker, "abc")
+        assert await until(lambda: not worker.loop.alive)
+        with pytest.raises(EngineProcessError):
+            await run(worker, "abc")
+        with pytest.raises(EngineProcessError):
+            await worker.call("classification", partial(
+                _classify, ClassifyParams(inputs=("x",), labels=("a", "b"))))
         assert worker.pending == 0
     finally:
         await worker.aclose(10)

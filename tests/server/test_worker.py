@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engines.base import Cancelled, ContextLengthExceeded, SamplingParams, Step
+from engines.base import Cancelled, ContextLengthExceeded, EngineClosed, SamplingParams, Step
 from engines.fake import FakeEngine
-from server.errors import APIError
+from server.errors import APIError, from_engine_error
 from server.worker import EngineWorker, WorkerStatus
 
 pytestmark = pytest.mark.anyio
@@ -186,3 +186,18 @@ async def test_close_closes_the_engine_on_its_thread():
     worker.engine = SimpleNamespace(close=lambda: closed.set())
     worker.close()
     assert closed.wait(5) and worker.engine is None
+
+
+async def test_work_sent_to_a_closed_engine_is_a_503_and_holds_no_slot():
+    """A request routed just before its engine was unloaded: an EngineClosed (503, retry),
+    not a RuntimeError (500), for a generation and for a job alike."""
+    worker = fresh()
+    await worker.load(lambda: FakeEngine("fake", max_batch=2))
+    worker.close()
+    with pytest.raises(EngineClosed) as caught:
+        async for _ in worker.generate([1, 2], SamplingParams(max_tokens=4)):
+            pass
+    assert from_engine_error(caught.value).status == 503
+    with pytest.raises(EngineClosed):
+        await worker.call("classification", lambda engine, should_stop: 1)
+    assert worker.pending == 0
