@@ -24,6 +24,25 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+# The longest files, longest first (seconds on this machine, 2026-11-23). scripts/test.sh hands
+# whole files to its workers in collection order (--no-loadscope-reorder; xdist's own order, by
+# number of tests, left a 70 s file to start after four minutes, alone at the end).
+LONGEST_FIRST = (
+    "tests/test_project.py",  # 65-80: pip sets up a serving environment
+    "tests/e2e/test_concurrency.py",  # 70
+    "tests/e2e/test_classifications.py",  # 57
+    "tests/engines/test_gguf_convert.py",  # 50
+    "tests/e2e/test_bench_page.py",  # 45
+    "tests/e2e/test_openai_client.py",  # 44
+    "tests/engines/test_cuda_kernels.py",  # 22
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """One saved tiny checkpoint per supported family, with its transformers reference."""

@@ -16,6 +16,7 @@ from engines.runtime.plan import RowSampling, ScheduledSeq
 
 V = 24
 N = 20_000
+N_ONE_BY_ONE = 5_000  # MLX draws made one sampler call at a time
 LOGITS = np.random.default_rng(7).normal(0.0, 1.6, V).astype(np.float32)
 
 CASES = [  # (temperature, top_k, top_p)
@@ -53,12 +54,12 @@ def reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) 
     return p
 
 
-def check_distribution(draws: np.ndarray, expected: np.ndarray) -> None:
-    assert draws.shape == (N,) and draws.min() >= 0 and draws.max() < V
-    freq = np.bincount(draws, minlength=V) / N
+def check_distribution(draws: np.ndarray, expected: np.ndarray, n: int = N) -> None:
+    assert draws.shape == (n,) and draws.min() >= 0 and draws.max() < V
+    freq = np.bincount(draws, minlength=V) / n
     removed = expected == 0
     assert not freq[removed].any(), f"drew removed tokens {np.flatnonzero(freq * removed)}"
-    tolerance = 5 * np.sqrt(expected * (1 - expected) / N) + 1e-3
+    tolerance = 5 * np.sqrt(expected * (1 - expected) / n) + 1e-3
     worst = np.argmax(np.abs(freq - expected) - tolerance)
     assert np.all(np.abs(freq - expected) <= tolerance), (
         f"token {worst}: drawn {freq[worst]:.4f}, expected {expected[worst]:.4f}")
@@ -87,8 +88,9 @@ def torch_draws(params: SamplingParams, vary: str = "draws") -> np.ndarray:
 
 def mlx_draws(params: SamplingParams, vary: str = "rows") -> np.ndarray:
     """vary="rows": one draw over N identical rows (MLX draws each row on its own), which
-    checks the filters quickly; "draws" and "seeds" call the sampler N times, as the engine
-    does, one row at a time (slower: a few of those cases are enough)."""
+    checks the filters quickly; "draws" and "seeds" call the sampler N_ONE_BY_ONE times, as
+    the engine does, one row at a time (about 0.4 ms a call on this CPU: fewer draws, and a
+    few of those cases, are enough to see draws or seeds that repeat or lean)."""
     mx = pytest.importorskip("mlx.core")
     from engines.mlx_engine.sampling import make_sampler
 
@@ -100,9 +102,10 @@ def mlx_draws(params: SamplingParams, vary: str = "rows") -> np.ndarray:
         return np.array(sample(mx.broadcast_to(logprobs, (N, V)))).reshape(-1).astype(np.int64)
     if vary == "draws":
         sample = make_sampler(rows_of(params, 1)[0].sampling)
-        picked = [sample(logprobs) for _ in range(N)]
+        picked = [sample(logprobs) for _ in range(N_ONE_BY_ONE)]
     else:
-        picked = [make_sampler(r.sampling, r.draws)(logprobs) for r in rows_of(params, N, vary)]
+        picked = [make_sampler(r.sampling, r.draws)(logprobs)
+                  for r in rows_of(params, N_ONE_BY_ONE, vary)]
     out = mx.concatenate(picked)
     mx.eval(out)
     return np.array(out).reshape(-1).astype(np.int64)
@@ -127,7 +130,8 @@ def test_successive_draws_and_many_seeds_follow_the_reference_distribution(
     """The engines' real use: a sequence's draws one after another, and the first draw of
     many seeds (requests)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=99)
-    check_distribution(DRAWS[engine](params, vary), reference(LOGITS, temperature, top_k, top_p))
+    draws = DRAWS[engine](params, vary)
+    check_distribution(draws, reference(LOGITS, temperature, top_k, top_p), draws.size)
 
 
 def test_the_reference_is_not_trivial():
