@@ -8,11 +8,14 @@ server's. Per level: aggregate tok/s (all clients' tokens over the wall time fro
 request to the last token), TTFT and inter-token latency p50/p99 (gaps between streamed chunks,
 pooled over clients), the peak batch and KV use seen on /health. Then, optionally, the same
 batches through transformers generate() (static cache + compile) and mlx-lm's BatchGenerator,
-with the server stopped. Prints a table; writes JSON under docs/bench/.
+with the server stopped, or (--interleave) beside the idle server, one reference batch after
+each of duet's runs. Prints a table; writes JSON under docs/bench/.
 
   python scripts/bench_concurrency.py --model dummy-llama-3.2-1b --clients 1,4,16,64 \\
       --reference transformers --out docs/bench/concurrency-llama-3.2-1b-h200.json
   python scripts/bench_concurrency.py --model smollm2-135m-instruct --clients 1,8 --max-tokens 64
+  python scripts/bench_concurrency.py --model dummy-llama-3.2-1b --engine mlx --clients 16,32 \
+      --repeats 7 --max-batch 32 --reference mlx-lm --interleave
 """
 
 from __future__ import annotations
@@ -225,35 +228,45 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 # -- references --------------------------------------------------------------------------------
 
 
-def reference_runs(args, levels: list[int]) -> dict:
-    """Aggregate new tok/s of the references on batches of the same prompts (prefill included,
-    as the server's aggregate includes it): the median of --ref-repeats timed runs after one
-    warm-up batch of each size."""
+def load_references(args) -> dict:
+    """Each reference system set up once: name -> system (run_batch(prompts, max_tokens) gives
+    the seconds to give every prompt max_tokens, prefill included)."""
     from engines.config import load_models_file
     from engines.sources import resolve_model_dir
 
     spec = next(s for s in load_models_file(ROOT / "models.toml") if s.id == args.model)
     path = resolve_model_dir(spec)
-    out = {}
+    systems = {}
     for name in args.reference:
-        runs = {}
         if name == "transformers":
             from engines.bench.systems import HFStaticCompile
 
             system = HFStaticCompile(args.device)
-            system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)
-            batch_run = system.run_batch
         else:
             from engines.bench.systems import MLXLMGenerate
 
             system = MLXLMGenerate()
-            system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)
-            batch_run = system.run_batch
+        system.setup(path, args.dtype, args.prompt_tokens + args.max_tokens)
+        systems[name] = system
+    return systems
+
+
+def reference_tok_s(n: int, max_tokens: int, times: list[float]) -> float:
+    return round(n * max_tokens / statistics.median(times), 1)
+
+
+def reference_runs(args, levels: list[int]) -> dict:
+    """Aggregate new tok/s of the references on batches of the same prompts (prefill included,
+    as the server's aggregate includes it): the median of --ref-repeats timed runs after one
+    warm-up batch of each size."""
+    out = {}
+    for name, system in load_references(args).items():
+        runs = {}
         for n in levels:
             prompts = prompts_for(n, args.prompt_tokens, seed=n)
-            batch_run(prompts, args.max_tokens)  # compile and warm up at this size
-            times = [batch_run(prompts, args.max_tokens) for _ in range(args.ref_repeats)]
-            runs[n] = round(n * args.max_tokens / statistics.median(times), 1)
+            system.run_batch(prompts, args.max_tokens)  # compile and warm up at this size
+            times = [system.run_batch(prompts, args.max_tokens) for _ in range(args.ref_repeats)]
+            runs[n] = reference_tok_s(n, args.max_tokens, times)
             print(f"{name} batch {n}: {runs[n]} tok/s", flush=True)
         system.teardown()
         out[name] = runs
@@ -280,6 +293,10 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--reference", default="", help="transformers,mlx-lm")
     parser.add_argument("--ref-repeats", type=int, default=3)
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the references in the bench's own process beside the idle "
+                        "server, one batch after each of duet's runs (same levels, same "
+                        "repeats): on a noisy machine both see the same minutes")
     parser.add_argument("--ref-clients", default=None,
                         help="the levels the references run (default: all)")
     parser.add_argument("--device", default="auto")
@@ -294,6 +311,9 @@ def main() -> int:
     args.reference = [r for r in args.reference.split(",") if r]
     levels = [int(c) for c in args.clients.split(",")]
 
+    ref_levels = [int(c) for c in args.ref_clients.split(",")] if args.ref_clients else levels
+    interleaved = load_references(args) if args.interleave else {}
+    ref_times: dict[str, dict[int, list[float]]] = {name: {} for name in interleaved}
     proc = None
     url = args.url
     if url is None:
@@ -302,13 +322,25 @@ def main() -> int:
         import httpx
 
         info = httpx.get(url + "/health").json()
-        # One unmeasured round at the largest level: every batch and prefill shape once.
-        run_level(url, args.model, max(levels), args.prompt_tokens, min(args.max_tokens, 16),
-                  args.engine, args.client_procs)
         rows = []
         for n in levels:
-            runs = [run_level(url, args.model, n, args.prompt_tokens, args.max_tokens,
-                              args.engine, args.client_procs) for _ in range(args.repeats)]
+            # One unmeasured round first, as the references get one per batch: MLX's CUDA
+            # backend compiles kernels for each new shape (a batch size, a prefill group) the
+            # first time it meets it.
+            run_level(url, args.model, n, args.prompt_tokens, min(args.max_tokens, 16),
+                      args.engine, args.client_procs)
+            prompts = prompts_for(n, args.prompt_tokens, seed=n)
+            beside = interleaved if n in ref_levels else {}
+            for system in beside.values():
+                system.run_batch(prompts, args.max_tokens)  # warm up at this size
+            runs = []
+            for _ in range(args.repeats):
+                runs.append(run_level(url, args.model, n, args.prompt_tokens, args.max_tokens,
+                                      args.engine, args.client_procs))
+                # The server idles meanwhile: the reference's batch runs beside it, in turn.
+                for name, system in beside.items():
+                    ref_times[name].setdefault(n, []).append(
+                        system.run_batch(prompts, args.max_tokens))
             runs.sort(key=lambda r: r["aggregate_tok_s"])
             # The lower median: with an even count the worse of the middle two, never the best.
             rows.append({**runs[(len(runs) - 1) // 2],
@@ -330,13 +362,20 @@ def main() -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    ref_levels = [int(c) for c in args.ref_clients.split(",")] if args.ref_clients else levels
-    references = reference_runs(args, ref_levels) if args.reference else {}
+    if interleaved:
+        references = {name: {n: reference_tok_s(n, args.max_tokens, times)
+                             for n, times in by_level.items()}
+                      for name, by_level in ref_times.items()}
+        for system in interleaved.values():
+            system.teardown()
+    else:
+        references = reference_runs(args, ref_levels) if args.reference else {}
     result = {
         "date": dt.date.today().isoformat(), "model": args.model, "engine": args.engine,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "server": info.get("engines"), "levels": rows, "references": references,
         "short_during_long": latency,
+        "reference_runs_s": ref_times if interleaved else None,
         "command": " ".join(sys.argv),
     }
     base = rows[0]["aggregate_tok_s"]

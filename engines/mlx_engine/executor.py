@@ -3,7 +3,10 @@ batched KV cache, prefills new prompts in chunks of max_prefill_tokens between d
 and advances the whole batch one token per next().
 
 It takes each prompt whole (chunked_prefill = False) and answers a sequence's first token a
-step or more after it joined; the runtime keeps a token of KV room ahead for it. Stop strings,
+step or more after it joined; the runtime keeps a token of KV room ahead for it. The generator
+prefills every prompt it holds by prefill_step_size tokens a step, between decode steps: that
+size is set each step to the budget shared by the prompts being prefilled, so a step prefills
+about max_prefill_tokens in all however many prompts joined. Stop strings,
 end ids and max_tokens are the runtime's: the generator is told none of them."""
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class MLXExecutor:
     # once (scripts/profile_mlx_batch.py --waves). Clients that connect together reach the
     # server over a few ms; this many ms of extra TTFT for a joiner buys one join for them all.
     gather_s = 0.02
+    min_chunk = 32  # a prompt's fewest tokens a step, however many share the budget
 
     def __init__(self, model, *, max_batch: int, max_prefill_tokens: int, context_length: int):
         from mlx_lm.generate import BatchGenerator
@@ -32,6 +36,8 @@ class MLXExecutor:
             prefill_batch_size=max_batch, prefill_step_size=max_prefill_tokens,
         )
         self._context = context_length
+        self._budget = max_prefill_tokens
+        self._prefilling: set[int] = set()  # inserted, first token not answered yet
         self._uid: dict[int, int] = {}  # seq id -> the generator's uid
         self._seq: dict[int, int] = {}
         self._held: list[ScheduledSeq] = []  # prompts waiting to join together
@@ -52,12 +58,16 @@ class MLXExecutor:
             self._held = []
         if not self._uid:
             return StepOutput({})
+        if self._prefilling:
+            self._gen.prefill_step_size = max(self.min_chunk,
+                                              self._budget // len(self._prefilling))
         _, generated = self._gen.next()
         tokens = {}
         for r in generated:
             seq_id = self._seq.get(r.uid)
             if seq_id is not None:
                 tokens[seq_id] = int(r.token)
+                self._prefilling.discard(seq_id)
                 if r.finish_reason is not None:  # the generator dropped it already
                     del self._uid[seq_id], self._seq[r.uid]
         return StepOutput(tokens)
@@ -74,11 +84,13 @@ class MLXExecutor:
         )
         for row, uid in zip(rows, uids):
             self._uid[row.seq_id], self._seq[uid] = uid, row.seq_id
+        self._prefilling.update(row.seq_id for row in rows)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         if self._held and seq_ids:
             gone = set(seq_ids)
             self._held = [row for row in self._held if row.seq_id not in gone]
+        self._prefilling.difference_update(seq_ids)
         uids = [self._uid.pop(s) for s in seq_ids if s in self._uid]
         for uid in uids:
             del self._seq[uid]

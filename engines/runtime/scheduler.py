@@ -9,7 +9,8 @@ Rules:
 - A running sequence is fed what it has not been fed: the rest of its prompt (in chunks of at
   most the step's prefill budget, shared by all prefilling sequences, oldest first) or its last
   sampled token. Decode rows cost no budget, so running streams keep flowing while a long
-  prompt is prefilled a chunk per step.
+  prompt is prefilled a chunk per step. An executor without chunked prefill (MLX) is handed
+  whole prompts as they are admitted, and keeps to the budget in its own chunks.
 - A sequence holds KV blocks for every token it has been fed. Its prompt's blocks are taken
   at admission; decoding takes one more block every block_size tokens. When none is free, the
   newest running sequence is preempted: its blocks return to the pool and it goes back to the
@@ -125,7 +126,7 @@ class Scheduler:
                 # answers late and has not answered yet.
                 i += 1
                 continue
-            n = 1 if pending == 1 else self._chunk(pending, budget, bool(rows))
+            n = 1 if pending == 1 else self._chunk(pending, budget)
             if not self._make_room(seq, seq.computed + n + self._lag):
                 continue  # seq itself was preempted; the list shifted under i
             if n > 0:
@@ -158,11 +159,13 @@ class Scheduler:
                 sampled.append((seq, token))
         return sampled
 
-    def _chunk(self, pending: int, budget: int, others: bool) -> int:
+    def _chunk(self, pending: int, budget: int) -> int:
         if self.chunked_prefill:
             return max(0, min(pending, budget))
-        # Whole prompts only: one may exceed the budget when it is the step's first.
-        return pending if pending <= budget or not others else 0
+        # An executor that prefills on its own terms takes every prompt whole and chunks it
+        # itself: holding prompts back to the step's budget only made them join its running
+        # batch in more groups, and each join costs it a prefill and a merge of its own.
+        return pending
 
     def _admit(self, rows: list[tuple[Sequence, int]], budget: int) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -170,7 +173,7 @@ class Scheduler:
             if seq.inflight:
                 return  # preempted with a token in flight: it is read before the next step
             pending = seq.length
-            n = 1 if pending == 1 else self._chunk(pending, budget, bool(rows))
+            n = 1 if pending == 1 else self._chunk(pending, budget)
             # The whole prompt's blocks are taken now, so its later chunks never stall.
             if n == 0 or not self.pool.grow(seq.blocks, pending + self._lag):
                 return

@@ -189,3 +189,36 @@ def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gathe
     got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 4])
     assert got == expected
     assert len(calls) == inserts and sum(calls) == 4
+
+
+def test_mlx_prompts_arriving_together_join_at_once_and_prefill_within_the_budget(
+        tiny_dirs, monkeypatch):
+    """The scheduler hands an MLX engine every prompt that fits at once, whatever the step's
+    prefill budget (one insert: one prefill and one merge for them all, where the budget used
+    to split them into groups that each joined on their own); the generator then prefills them
+    a chunk a step, the budget shared among the prompts being prefilled."""
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
+                       max_prefill_tokens=8)
+    jobs = [(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4])]
+    expected = [alone(engine, p, g) for p, g in jobs]
+    runtime = Runtime(engine, max_batch=4)
+    runtime.executor.min_chunk = 1
+    inserts = []
+    insert = runtime.executor._gen.insert
+    runtime.executor._gen.insert = lambda prompts, **kw: (inserts.append(len(prompts)),
+                                                          insert(prompts, **kw))[1]
+    shapes = []
+    model_class = type(runtime.executor._gen.model)
+    forward = model_class.__call__
+    monkeypatch.setattr(model_class, "__call__",
+                        lambda self, inputs, *a, **kw: (shapes.append(inputs.shape),
+                                                        forward(self, inputs, *a, **kw))[1])
+    got, _ = run_together(runtime, jobs)
+    assert got == expected
+    assert inserts == [4]
+    prefill = [(rows, width) for rows, width in shapes if width > 1]
+    assert prefill and max(rows * width for rows, width in prefill) <= 8, prefill

@@ -211,3 +211,19 @@ def test_a_sequence_may_take_the_last_free_blocks_exactly():
     assert pool.grow(blocks, 64) and len(blocks) == 4 and pool.free_blocks == 0
     assert pool.grow(blocks, 64)  # nothing more needed
     assert not pool.grow(blocks, 65) and len(blocks) == 4
+
+
+def test_an_executor_without_chunked_prefill_gets_every_prompt_that_fits_at_once():
+    """MLX prefills on its own terms: prompts are not held back to the step's budget (each
+    group would join its running batch on its own), only to the batch and the KV pool."""
+    sched = Scheduler(BlockPool(14, 4), max_batch=3, max_prefill_tokens=6,
+                      chunked_prefill=False)
+    for i in range(4):
+        sched.add(seq(i, 10, max_tokens=2))
+    plan = sched.schedule()
+    assert [(r.seq_id, len(r.tokens)) for r in plan.prefill] == [(0, 10), (1, 10), (2, 10)]
+    assert [s.seq_id for s in sched.waiting] == [3]  # the batch is full
+    sched2 = Scheduler(BlockPool(5, 4), max_batch=3, max_prefill_tokens=6, chunked_prefill=False)
+    for i in range(3):
+        sched2.add(seq(i, 10, max_tokens=2))
+    assert [r.seq_id for r in sched2.schedule().prefill] == [0]  # 3 blocks each (a token ahead)
