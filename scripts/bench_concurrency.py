@@ -341,10 +341,11 @@ def main() -> int:
                 for name, system in beside.items():
                     ref_times[name].setdefault(n, []).append(
                         system.run_batch(prompts, args.max_tokens))
+            in_order = [r["aggregate_tok_s"] for r in runs]  # pairs with the references' runs
             runs.sort(key=lambda r: r["aggregate_tok_s"])
             # The lower median: with an even count the worse of the middle two, never the best.
             rows.append({**runs[(len(runs) - 1) // 2],
-                         "runs": [r["aggregate_tok_s"] for r in runs]})
+                         "runs": [r["aggregate_tok_s"] for r in runs], "runs_in_order": in_order})
             r = rows[-1]
             print(f"{n:4} clients: {r['aggregate_tok_s']:9.1f} tok/s  TTFT p50 "
                   f"{r['ttft_ms_p50']:8.1f} ms p99 {r['ttft_ms_p99']:8.1f}  ITL p50 "
