@@ -59,17 +59,18 @@ BUGS = [
         "            mask &= k_pos > q_pos - window\n",
         "            mask &= k_pos >= q_pos - window\n",
         ("tests/engines/test_torch_parity.py",)),
-    Bug("window_static", "the sliding-window mask of the static (CUDA graph) path is one token "
+    Bug("window_batched", "the sliding-window mask of the batched (paged KV) path is one token "
         "too wide",
-        "engines/torch_engine/model.py",
-        "mask &= k_pos > q_pos - self.args.sliding_window",
-        "mask &= k_pos >= q_pos - self.args.sliding_window",
-        ("tests/engines/test_torch_parity.py",)),
-    Bug("graph_position", "CudaGraphRunner does not restore its position buffer after a capture",
-        "engines/torch_engine/runner.py",
-        "\n            self._pos.copy_(saved_pos)\n",
-        "\n",
-        ("tests/engines/test_cuda_runner_host.py",)),
+        "engines/torch_engine/paged.py",
+        "mask &= k_pos[None, None, :] > self.positions[:, :, None] - self.window",
+        "mask &= k_pos[None, None, :] >= self.positions[:, :, None] - self.window",
+        ("tests/engines/test_torch_parity.py", "tests/engines/test_batching.py")),
+    Bug("graph_padding", "the CUDA graph runner's padding rows write into the pool's first slot "
+        "instead of its trash slot",
+        "engines/torch_engine/cuda_graphs.py",
+        "        host[n:b, WRITE] = self.kv.trash\n",
+        "",
+        ("tests/engines/test_cuda_graphs_host.py",)),
     Bug("one_listing", "classification scores only the given label order (the reversed "
         "listing is dropped)",
         "engines/classify.py",
