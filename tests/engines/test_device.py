@@ -46,6 +46,12 @@ def test_memory_meter_per_device():
     assert meter.peak_bytes() >= 64 * 1024 * 1024
 
 
+def resident() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def test_the_cpu_meter_catches_a_peak_between_the_ends_of_a_request():
     """RSS has no resettable peak: a spike that is gone by the end of the request is only seen
     because the runtime reads the meter after every step."""
@@ -65,9 +71,34 @@ def test_the_cpu_meter_catches_a_peak_between_the_ends_of_a_request():
 
     engine = Spiking(reply="abcd")
     engine.meter = RSSMeter()
-    baseline = RSSMeter().peak_bytes()
+    baseline = resident()  # not through the meter under test
     events = list(engine.generate([1, 2], SamplingParams(max_tokens=8)))
     stats = events[-1]
     assert isinstance(stats, RequestStats) and stats.completion_tokens == 5
-    assert RSSMeter().peak_bytes() < baseline + spike // 2  # the buffer really went away
+    assert resident() < baseline + spike // 2  # the buffer really went away
+    assert stats.peak_memory_bytes >= baseline + spike * 0.9
+
+
+def test_the_cpu_meter_sees_what_a_requests_last_step_allocated():
+    """The meter is reset as each step starts, so a spike that lasts past a step is seen then;
+    one that appears in the request's last step is seen only by the reading after that step."""
+    import numpy as np
+
+    from engines.base import RequestStats, SamplingParams
+    from engines.fake import FakeEngine
+
+    spike = 256 * 2**20
+
+    class GrowingAtTheEnd(FakeEngine):
+        def before_token(self, request_no, index):
+            if index == 4:  # the end-of-sequence step of "abcd"
+                self.buffer = np.ones(spike // 8)
+
+    engine = GrowingAtTheEnd(reply="abcd")
+    engine.meter = RSSMeter()
+    baseline = resident()  # not through the meter under test
+    events = list(engine.generate([1, 2], SamplingParams(max_tokens=8)))
+    del engine.buffer
+    stats = events[-1]
+    assert isinstance(stats, RequestStats) and stats.completion_tokens == 5
     assert stats.peak_memory_bytes >= baseline + spike * 0.9
