@@ -1,13 +1,13 @@
 """The MLX engine's step executor: mlx-lm's BatchGenerator, which keeps every sequence's
-batched KV cache, prefills new prompts in chunks of max_prefill_tokens between decode steps,
-and advances the whole batch one token per next().
+batched KV cache, prefills new prompts in chunks between decode steps, and advances the whole
+batch one token per next().
 
 It takes each prompt whole (chunked_prefill = False) and answers a sequence's first token a
 step or more after it joined; the runtime keeps a token of KV room ahead for it. The generator
-prefills every prompt it holds by prefill_step_size tokens a step, between decode steps: that
-size is set each step to the budget shared by the prompts being prefilled, so a step prefills
-about max_prefill_tokens in all however many prompts joined. Stop strings,
-end ids and max_tokens are the runtime's: the generator is told none of them."""
+prefills every prompt it holds by prefill_step_size tokens a step: that size is set each step
+to max_prefill_tokens shared by the prompts being prefilled, so a step prefills about that many
+in all however many prompts joined. Stop strings, end ids and max_tokens are the runtime's:
+the generator is told none of them."""
 
 from __future__ import annotations
 
