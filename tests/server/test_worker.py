@@ -11,7 +11,7 @@ import pytest
 from engines.base import Cancelled, ContextLengthExceeded, EngineClosed, SamplingParams, Step
 from engines.fake import FakeEngine
 from server.errors import APIError, from_engine_error
-from server.worker import EngineWorker, WorkerStatus
+from server.worker import EngineWorker, Job, Waker, WorkerStatus
 
 pytestmark = pytest.mark.anyio
 
@@ -201,3 +201,90 @@ async def test_work_sent_to_a_closed_engine_is_a_503_and_holds_no_slot():
     with pytest.raises(EngineClosed):
         await worker.call("classification", lambda engine, should_stop: 1)
     assert worker.pending == 0
+
+
+async def test_runtime_status_reports_the_batch_and_the_pool_as_they_are():
+    """What /health and /v1/models show of a generating engine, figure by figure."""
+    worker = EngineWorker("test")
+    engine = await worker.load(lambda: FakeEngine("fake", max_batch=3, kv_bytes_per_token=8,
+                                                  kv_tokens=64))
+    try:
+        runtime = worker.loop.runtime
+        runtime.last_batch, runtime.step_s, runtime.execute_s = 2, 0.0012341, 0.0004567
+        blocks: list[int] = []
+        assert engine.kv_pool.grow(blocks, 20)  # two 16-token blocks
+        assert worker.runtime_status() == {
+            "batch": 2, "max_batch": 3, "step_ms": 1.234, "engine_step_ms": 0.457,
+            "kv_cache_used_bytes": 2 * 16 * 8, "kv_cache_bytes": 64 * 8,
+            "kv_cache_used_tokens": 32, "kv_cache_tokens": 64,
+        }
+        engine.kv_pool.release(blocks)
+        assert worker.runtime_status()["kv_cache_used_bytes"] == 0
+    finally:
+        worker.close()
+    classifier = EngineWorker("classifier")
+    classifier.engine = SimpleNamespace()  # no KV pool: not a generating engine
+    assert classifier.runtime_status() is None
+
+
+def test_status_names_the_oldest_running_job_and_no_overdue_without_deadlines():
+    worker = EngineWorker("test")
+    now = time.monotonic()
+    older, newer, queued = Job("generation", None), Job("classification", None), Job("bench", None)
+    newer.started, older.started = now - 1.0, now - 5.0
+    worker._jobs += [newer, older, queued]
+    status = worker.status()
+    assert (status.running, status.waiting, status.kind) == (2, 1, "generation")
+    assert abs(status.busy_since - (time.time() - 5.0)) < 0.5
+    assert status.overdue_s == 0.0
+
+
+async def test_a_running_generation_is_reported_as_one():
+    worker = EngineWorker("test")
+    await worker.load(lambda: FakeEngine("fake", token_delay_s=0.05))
+    try:
+        stream = worker.generate([1, 2], SamplingParams(max_tokens=50, ignore_eos=True))
+        await stream.__anext__()  # it is running now
+        assert worker.status().kind == "generation"
+        await stream.aclose()
+    finally:
+        worker.close()
+
+
+async def test_run_gives_back_what_the_function_returns():
+    worker = EngineWorker("test")
+    try:
+        assert await worker.run(lambda x, y: x * y, 6, 7) == 42
+    finally:
+        worker.close()
+
+
+def test_a_worker_serves_one_event_loop_after_another():
+    """Each asyncio.run() is a new event loop: its streams are woken on it, not on the last
+    one (closed by then, where a wake-up would be lost and the stream would hang)."""
+    worker = EngineWorker("test")
+    asyncio.run(worker.load(lambda: FakeEngine("fake", reply="hi")))
+
+    async def ask():
+        async def collect():
+            return [e for batch in [b async for b in worker.generate(
+                [1, 2], SamplingParams(max_tokens=8))] for e in batch]
+        return await asyncio.wait_for(collect(), 10)
+
+    try:
+        assert len(asyncio.run(ask())) == len(asyncio.run(ask())) > 1
+    finally:
+        worker.close()
+
+
+def test_one_hand_over_wakes_every_event_and_a_closed_loop_says_so():
+    """Events woken together share one call into the loop, and each waker is told it worked
+    (a False would stop its stream); on a closed loop every wake says False."""
+    loop = asyncio.new_event_loop()
+    waker = Waker(loop)
+    events = [asyncio.Event() for _ in range(3)]
+    assert all(waker.wake(e) for e in events)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert all(e.is_set() for e in events)
+    loop.close()
+    assert waker.wake(asyncio.Event()) is False
