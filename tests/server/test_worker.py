@@ -288,3 +288,12 @@ def test_one_hand_over_wakes_every_event_and_a_closed_loop_says_so():
     assert all(e.is_set() for e in events)
     loop.close()
     assert waker.wake(asyncio.Event()) is False
+
+
+async def test_aclose_closes_the_engine_and_says_it_did_in_time():
+    worker = EngineWorker("test")
+    engine = await worker.load(lambda: FakeEngine("fake"))
+    closed = threading.Event()
+    engine.close = closed.set
+    assert await worker.aclose(5) is True
+    assert closed.is_set() and worker.engine is None
