@@ -297,3 +297,29 @@ async def test_aclose_closes_the_engine_and_says_it_did_in_time():
     engine.close = closed.set
     assert await worker.aclose(5) is True
     assert closed.is_set() and worker.engine is None
+
+
+def test_a_full_queue_answers_with_the_waiting_count_and_a_retry_after_from_the_mean_job_time():
+    """Retry-After: the mean job time (a running mean, 0.2 of each finished job) times how many
+    must go before a new request could be admitted; between 1 and 60 s."""
+    worker = EngineWorker("mine", max_queue=2)
+    running = worker.max_running
+    jobs = [worker._admit("generation", True) for _ in range(running + 2)]
+    jobs.append(worker._admit("bench", False))  # a bench's next run goes past the bound
+    worker._mean_s = 4.0
+    with pytest.raises(APIError) as caught:
+        worker._admit("generation", True)
+    error = caught.value  # 3 waiting, 2 of them must go first: 2 x 4 s
+    assert error.status == 429 and error.headers == {"Retry-After": "8"}
+    assert "the mine engine is busy: 3 requests are already waiting" in error.message
+    jobs[0].started = time.monotonic() - 10.0
+    worker._release(jobs[0])
+    assert 5.19 < worker._mean_s < 5.3  # 0.8 * 4.0 + 0.2 * 10
+    worker._mean_s = 1000.0
+    with pytest.raises(APIError) as caught:
+        worker._admit("generation", True)
+    assert caught.value.headers == {"Retry-After": "60"}
+    worker._mean_s = 0.001
+    with pytest.raises(APIError) as caught:
+        worker._admit("generation", True)
+    assert caught.value.headers == {"Retry-After": "1"}
