@@ -27,8 +27,8 @@ def is_chat(i: int) -> bool:
 
 
 def ask(i: int) -> dict:
-    """Request i: streaming when i is odd; chat or a text completion (short prompts: MLX's
-    CPU backend prefills about 10 tokens a second here)."""
+    """Request i: a chat or a text completion (short prompts: MLX's CPU backend prefills about
+    10 tokens a second here)."""
     topic = TOPICS[i]
     if is_chat(i):
         return {"messages": [{"role": "system", "content": "Be brief."},
@@ -47,16 +47,16 @@ def engine_of(i: int) -> str:
     return "mlx" if i % 8 in (3, 4) else "torch"
 
 
-async def send(aclient: openai.AsyncOpenAI, i: int) -> str:
+async def send(aclient: openai.AsyncOpenAI, i: int, stream: bool) -> str:
     body = ask(i)
     if is_chat(i):
-        if i % 2:
-            stream = await aclient.chat.completions.create(**body, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        if stream:
+            chunks = await aclient.chat.completions.create(**body, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
         return (await aclient.chat.completions.create(**body)).choices[0].message.content
-    if i % 2:
-        stream = await aclient.completions.create(**body, stream=True)
-        return "".join([c.choices[0].text async for c in stream if c.choices])
+    if stream:
+        chunks = await aclient.completions.create(**body, stream=True)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
     return (await aclient.completions.create(**body)).choices[0].text
 
 
@@ -73,12 +73,7 @@ async def one_at_a_time(url: str) -> list[str]:
     async def in_turn(engine: str) -> None:
         for i in range(len(TOPICS)):
             if engine_of(i) == engine:
-                body = ask(i)
-                if is_chat(i):
-                    resp = await aclient.chat.completions.create(**body)
-                    answers[i] = resp.choices[0].message.content
-                else:
-                    answers[i] = (await aclient.completions.create(**body)).choices[0].text
+                answers[i] = await send(aclient, i, stream=False)
 
     try:
         await asyncio.gather(in_turn("torch"), in_turn("mlx"))
@@ -91,7 +86,8 @@ async def together(url: str) -> list[str]:
     """The 16 requests at once, half of them streaming."""
     aclient = client_for(url)
     try:
-        return await asyncio.gather(*(send(aclient, i) for i in range(len(TOPICS))))
+        return await asyncio.gather(*(send(aclient, i, stream=bool(i % 2))
+                                      for i in range(len(TOPICS))))
     finally:
         await aclient.close()
 
