@@ -48,6 +48,10 @@ def percentile(values: list[float], q: float) -> float:
 TOKEN_RANGE = [100, 10_000]  # token ids every benchmarked vocabulary has
 
 
+def ms(values: list[float], q: float) -> float:
+    return round(percentile(values, q) * 1000, 1)
+
+
 def prompts_for(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
@@ -63,6 +67,7 @@ async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
     sent = time.time()
     chunks: list[float] = []
     tokens = 0
+    server: dict = {}
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"error": f"{resp.status_code} {await resp.aread()!r}"[:300]}
@@ -70,10 +75,14 @@ async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
             if not line.startswith("data: {"):
                 continue
             if '"usage"' in line and '"choices":[]' in line.replace(" ", ""):
-                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                last = json.loads(line[6:])
+                tokens = last["usage"]["completion_tokens"]
+                server = last.get("metrics", {})
             elif '"text":""' not in line.replace(" ", ""):
                 chunks.append(time.time())
-    return {"sent": sent, "chunks": chunks, "tokens": tokens}
+    return {"sent": sent, "chunks": chunks, "tokens": tokens,
+            "server_ttft_s": server.get("ttft_ms", 0) / 1000,
+            "server_queue_s": server.get("queue_ms", 0) / 1000}
 
 
 def _client_process(url: str, bodies: list[dict], start_at: float, out) -> None:
@@ -144,6 +153,12 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
         "per_client_decode_tok_s_p50": round(statistics.median(decode), 1) if decode else None,
         "ttft_ms_p50": round(percentile(ttfts, 50) * 1000, 1),
         "ttft_ms_p99": round(percentile(ttfts, 99) * 1000, 1),
+        # Where TTFT goes: the server's own count (from the request's arrival at its engine
+        # worker), the part of it spent waiting to be scheduled, and the clients' spread.
+        "server_ttft_ms_p50": ms([r["server_ttft_s"] for r in results], 50),
+        "server_ttft_ms_p99": ms([r["server_ttft_s"] for r in results], 99),
+        "server_queue_ms_p50": ms([r["server_queue_s"] for r in results], 50),
+        "sent_spread_ms": round((max(r["sent"] for r in results) - first_sent) * 1000, 1),
         "itl_ms_p50": round(percentile(gaps, 50) * 1000, 2),
         "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2),
         "peak_batch": seen["batch"], "peak_kv_used_bytes": seen["kv_used"],
@@ -348,7 +363,9 @@ def main() -> int:
                          "runs": [r["aggregate_tok_s"] for r in runs], "runs_in_order": in_order})
             r = rows[-1]
             print(f"{n:4} clients: {r['aggregate_tok_s']:9.1f} tok/s  TTFT p50 "
-                  f"{r['ttft_ms_p50']:8.1f} ms p99 {r['ttft_ms_p99']:8.1f}  ITL p50 "
+                  f"{r['ttft_ms_p50']:8.1f} ms p99 {r['ttft_ms_p99']:8.1f} (server "
+                  f"{r['server_ttft_ms_p50']:.1f}, queued {r['server_queue_ms_p50']:.1f}, sent over "
+                  f"{r['sent_spread_ms']:.1f})  ITL p50 "
                   f"{r['itl_ms_p50']:6.2f} ms p99 {r['itl_ms_p99']:7.2f}  batch {r['peak_batch']:3}"
                   f"  KV {r['peak_kv_used_bytes'] / 2**20:7.1f} MiB  step {r['step_ms_at_peak_batch']}"
                   f" ms (engine {r['engine_step_ms_at_peak_batch']})", flush=True)

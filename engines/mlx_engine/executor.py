@@ -20,11 +20,12 @@ from .sampling import make_sampler
 
 class MLXExecutor:
     chunked_prefill = False
-    # Prompts that arrive while the generator runs are gathered for up to gather_s and inserted
-    # together: each insert is a prefill of its own and a merge into the running batch, and on
-    # an H200 16 prompts joining one a step ran at 0.53x the speed of the same 16 joining at
-    # once (scripts/profile_mlx_batch.py --waves). Clients that connect together reach the
-    # server over a few ms; this many ms of extra TTFT for a joiner buys one join for them all.
+    # Prompts that arrive while the generator runs are gathered (until a step brings none, for
+    # at most gather_s) and inserted together: each insert is a prefill of its own and a merge
+    # into the running batch, and on an H200 16 prompts joining one a step ran at 0.53x the
+    # speed of the same 16 joining at once (scripts/profile_mlx_batch.py --waves). Clients that
+    # connect together reach the server over a few ms; a few ms of extra TTFT for a joiner buys
+    # one join for them all.
     gather_s = 0.02
     min_chunk = 32  # a prompt's fewest tokens a step, however many share the budget
 
@@ -47,13 +48,16 @@ class MLXExecutor:
     def step(self, plan: StepPlan) -> StepOutput:
         self.release(plan.released)
         new = [row for row in plan.prefill if row.seq_id not in self._uid]
+        now = time.perf_counter()
         if new:
             if not self._held:
-                self._held_since = time.perf_counter()
+                self._held_since = now
             self._held += new
-        # An idle generator takes a prompt at once: there is nothing to merge it into.
-        if self._held and (not self._uid or len(self._held) >= self._group
-                           or time.perf_counter() - self._held_since >= self.gather_s):
+        # An idle generator takes a prompt at once: there is nothing to merge it into. A
+        # running one takes the gathered prompts at the first step that brought no newcomer
+        # (the burst is over), or once the oldest has waited gather_s.
+        if self._held and (not self._uid or len(self._held) >= self._group or not new
+                           or now - self._held_since >= self.gather_s):
             self._insert(self._held)
             self._held = []
         if not self._uid:

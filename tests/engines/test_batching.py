@@ -191,6 +191,28 @@ def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gathe
     assert len(calls) == inserts and sum(calls) == 4
 
 
+def test_mlx_gathered_prompts_join_at_the_first_step_without_a_newcomer(tiny_dirs):
+    """A burst is over when a step brings no new prompt: what was gathered joins then, without
+    waiting out gather_s (prompts at steps 2 and 3, then one at step 6: two joins after the
+    first prompt's own)."""
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
+    jobs = list(zip(PROMPTS[:4], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                 ignore_eos=True)] * 4))
+    expected = [alone(engine, p, g) for p, g in jobs]
+    runtime = Runtime(engine, max_batch=4)
+    runtime.executor.gather_s = 60.0
+    calls = []
+    insert = runtime.executor._gen.insert
+    runtime.executor._gen.insert = lambda prompts, **kw: (calls.append(len(prompts)),
+                                                          insert(prompts, **kw))[1]
+    got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 6])
+    assert got == expected
+    assert calls == [1, 2, 1]
+
+
 def test_mlx_prompts_arriving_together_join_at_once_and_prefill_within_the_budget(
         tiny_dirs, monkeypatch):
     """The scheduler hands an MLX engine every prompt that fits at once, whatever the step's
