@@ -69,17 +69,22 @@ class App:
     """An app that answers with the given messages, then reads what comes until cancelled (a
     generation still running), unless told to return at once or at a disconnect."""
 
-    def __init__(self, *messages: dict, returns: bool = False, listens: bool = False) -> None:
+    def __init__(self, *messages: dict, returns: bool = False, listens: bool = False,
+                 cleanup_s: float = 0.0) -> None:
         self.messages = messages
         self.returns = returns
         self.listens = listens
+        self.cleanup_s = cleanup_s  # time its cleanup takes once cancelled
         self.called = False
+        self.scope: dict | None = None
         self.received: list[dict] = []
         self.cancelled = False
+        self.cleaned_up = False
         self.answered = asyncio.Event()
 
     async def __call__(self, scope, receive, send) -> None:
         self.called = True
+        self.scope = scope
         self.received.append(await receive())
         try:
             for message in self.messages:
@@ -94,6 +99,8 @@ class App:
                     return
         except asyncio.CancelledError:
             self.cancelled = True
+            await asyncio.sleep(self.cleanup_s)  # a generation letting its engine go
+            self.cleaned_up = True
             raise
 
 
@@ -212,6 +219,7 @@ async def test_a_normal_answer_passes_through_unchanged_and_nothing_outlives_it(
     before = asyncio.all_tasks()
     await asyncio.wait_for(guard(scope(), conn.receive, conn.send), 5)
     assert conn.sent == list(answer)
+    assert app.scope == scope()
     assert app.received == [body(b"ab")]  # the body, read up front, handed over whole
     assert not app.cancelled
     await asyncio.sleep(0)
@@ -254,17 +262,28 @@ async def test_the_disconnect_is_passed_on_to_an_app_that_listens():
 
 
 async def test_a_request_cancelled_from_outside_leaves_no_task_behind():
-    """uvicorn cancels what is still running as its last resort at shutdown."""
-    app = App(start(EVENT_STREAM))
+    """uvicorn cancels what is still running as its last resort at shutdown: the guard returns
+    only once the app has finished its own cleanup."""
+    app = App(start(EVENT_STREAM), cleanup_s=0.05)
     guard = RequestGuard(app, max_body_bytes=100)
     conn = Connection(body())
     before = asyncio.all_tasks()
     task = await serving(guard, conn, app)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert app.cancelled
+    assert app.cancelled and app.cleaned_up
     await asyncio.sleep(0)
     assert asyncio.all_tasks() == before
+
+
+async def test_a_shutdown_returns_once_the_app_has_cleaned_up():
+    app, notice = App(start(EVENT_STREAM), cleanup_s=0.05), ShutdownNotice()
+    guard = RequestGuard(app, max_body_bytes=100, shutdown=notice)
+    conn = Connection(body())
+    task = await serving(guard, conn, app)
+    notice.expire()
+    await asyncio.wait_for(task, 5)
+    assert app.cleaned_up and conn.ended()
 
 
 async def test_a_client_that_leaves_while_sending_its_body_is_not_answered():
@@ -341,6 +360,7 @@ async def test_a_chunked_body_over_the_limit_is_refused_once_it_passes_it():
     await asyncio.wait_for(guard(scope((b"transfer-encoding", b"chunked")), conn.receive,
                                  conn.send), 5)
     assert not app.called and conn.status() == 413
+    assert "10 bytes" in json.loads(conn.body())["error"]["message"]
     assert conn.incoming.qsize() == 0  # the rest drained before answering
 
 
@@ -371,11 +391,42 @@ async def test_other_connections_pass_straight_through():
 
     async def app(scope, receive, send):
         seen.append(scope["type"])
+        seen.append((await receive())["type"])
         await send({"type": "lifespan.startup.complete"})
 
-    conn = Connection()
+    conn = Connection({"type": "lifespan.startup"})
     await RequestGuard(app, max_body_bytes=1)({"type": "lifespan"}, conn.receive, conn.send)
-    assert seen == ["lifespan"] and conn.sent == [{"type": "lifespan.startup.complete"}]
+    assert seen == ["lifespan", "lifespan.startup"]
+    assert conn.sent == [{"type": "lifespan.startup.complete"}]
+
+
+async def test_a_declared_length_over_the_limit_is_answered_without_waiting_for_the_body(
+        monkeypatch):
+    monkeypatch.setattr(request_guard, "LINGER_S", 0.05)
+    app = App(returns=True)
+    guard = RequestGuard(app, max_body_bytes=10, body_timeout_s=30)
+    conn = Connection()  # the client waits for an answer before it sends its body
+    started = time.perf_counter()
+    await asyncio.wait_for(guard(scope((b"content-length", b"11")), conn.receive, conn.send), 5)
+    assert time.perf_counter() - started < 1
+    assert not app.called and conn.status() == 413
+
+
+async def test_messages_may_leave_out_the_body_and_more_body_keys():
+    """ASGI: a missing body is b"", a missing more_body is False (the last message)."""
+    app = App(start(), chunk(b"{}", more=False), returns=True)
+    guard = RequestGuard(app, max_body_bytes=100, body_timeout_s=1)
+    conn = Connection({"type": "http.request", "more_body": True},
+                      {"type": "http.request", "body": b"ab"})
+    await asyncio.wait_for(guard(scope(), conn.receive, conn.send), 5)
+    assert app.received == [body(b"ab")]
+
+
+async def test_draining_stops_at_a_message_without_more_body():
+    conn = Connection(body(b"x", more=True), {"type": "http.request", "body": b"y"},
+                      body(b"never read"))
+    await asyncio.wait_for(RequestGuard._linger(conn.receive), 5)
+    assert conn.incoming.qsize() == 1
 
 
 # -- the pieces
