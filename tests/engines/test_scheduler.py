@@ -227,3 +227,14 @@ def test_an_executor_without_chunked_prefill_gets_every_prompt_that_fits_at_once
     for i in range(3):
         sched2.add(seq(i, 10, max_tokens=2))
     assert [r.seq_id for r in sched2.schedule().prefill] == [0]  # 3 blocks each (a token ahead)
+
+
+def test_pool_too_small_crosses_the_engine_process_pipe_whole():
+    """The engine process pickles it to the HTTP side, which answers it as a 400."""
+    import pickle
+
+    err = pickle.loads(pickle.dumps(KVPoolTooSmall(5000, 4096)))
+    assert type(err) is KVPoolTooSmall
+    assert (err.tokens, err.capacity) == (5000, 4096)
+    assert str(err) == str(KVPoolTooSmall(5000, 4096))
+    assert "5000 tokens" in str(err) and "4096 tokens" in str(err)
