@@ -168,11 +168,9 @@ def test_mlx_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
     assert got == expected
 
 
-@pytest.mark.parametrize("gather_s, inserts", [(60.0, 2), (0.0, 4)])
-def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gather_s, inserts):
-    """Each BatchGenerator.insert is a prefill and a merge into the running batch: prompts that
-    arrive one a step while a batch runs are gathered (up to gather_s) and inserted at once,
-    and still get their solo tokens. An idle generator takes a prompt at once."""
+def counting_inserts(tiny_dirs, gather_s: float):
+    """An MLX runtime of 4 rows whose generator counts the prompts of each insert; four greedy
+    jobs and the tokens each gets alone."""
     pytest.importorskip("mlx_lm")
     from engines.mlx_engine import MLXEngine
 
@@ -186,6 +184,15 @@ def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gathe
     insert = runtime.executor._gen.insert
     runtime.executor._gen.insert = lambda prompts, **kw: (calls.append(len(prompts)),
                                                           insert(prompts, **kw))[1]
+    return runtime, jobs, expected, calls
+
+
+@pytest.mark.parametrize("gather_s, inserts", [(60.0, 2), (0.0, 4)])
+def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gather_s, inserts):
+    """Each BatchGenerator.insert is a prefill and a merge into the running batch: prompts that
+    arrive one a step while a batch runs are gathered (up to gather_s) and inserted at once,
+    and still get their solo tokens. An idle generator takes a prompt at once."""
+    runtime, jobs, expected, calls = counting_inserts(tiny_dirs, gather_s)
     got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 4])
     assert got == expected
     assert len(calls) == inserts and sum(calls) == 4
@@ -195,19 +202,7 @@ def test_mlx_gathered_prompts_join_at_the_first_step_without_a_newcomer(tiny_dir
     """A burst is over when a step brings no new prompt: what was gathered joins then, without
     waiting out gather_s (prompts at steps 2 and 3, then one at step 6: two joins after the
     first prompt's own)."""
-    pytest.importorskip("mlx_lm")
-    from engines.mlx_engine import MLXEngine
-
-    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
-    jobs = list(zip(PROMPTS[:4], [SamplingParams(max_tokens=12, temperature=0.0,
-                                                 ignore_eos=True)] * 4))
-    expected = [alone(engine, p, g) for p, g in jobs]
-    runtime = Runtime(engine, max_batch=4)
-    runtime.executor.gather_s = 60.0
-    calls = []
-    insert = runtime.executor._gen.insert
-    runtime.executor._gen.insert = lambda prompts, **kw: (calls.append(len(prompts)),
-                                                          insert(prompts, **kw))[1]
+    runtime, jobs, expected, calls = counting_inserts(tiny_dirs, 60.0)
     got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 6])
     assert got == expected
     assert calls == [1, 2, 1]

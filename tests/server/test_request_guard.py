@@ -126,16 +126,22 @@ def shutdown_error(conn: Connection) -> dict:
     return json.loads(conn.body())["error"]
 
 
+async def shut_down_while_serving(app: App) -> Connection:
+    """Serve one request until the app has sent its messages, then run out the grace."""
+    notice = ShutdownNotice()
+    conn = Connection(body())
+    task = await serving(RequestGuard(app, max_body_bytes=100, shutdown=notice), conn, app)
+    notice.expire()
+    await asyncio.wait_for(task, 5)
+    return conn
+
+
 # -- what a request gets when the shutdown grace runs out
 
 
 async def test_shutdown_before_the_app_answered_is_a_json_503_that_closes_the_connection():
-    app, notice = App(), ShutdownNotice()
-    guard = RequestGuard(app, max_body_bytes=100, shutdown=notice)
-    conn = Connection(body())
-    task = await serving(guard, conn, app)
-    notice.expire()
-    await asyncio.wait_for(task, 5)
+    app = App()
+    conn = await shut_down_while_serving(app)
     assert app.cancelled  # the work was stopped
     assert conn.status() == 503 and conn.headers()["connection"] == "close"
     error = shutdown_error(conn)
@@ -145,12 +151,8 @@ async def test_shutdown_before_the_app_answered_is_a_json_503_that_closes_the_co
 
 
 async def test_shutdown_mid_stream_ends_the_event_stream_with_an_error_event_and_done():
-    app, notice = App(start(EVENT_STREAM), chunk(b"data: {}\n\n")), ShutdownNotice()
-    guard = RequestGuard(app, max_body_bytes=100, shutdown=notice)
-    conn = Connection(body())
-    task = await serving(guard, conn, app)
-    notice.expire()
-    await asyncio.wait_for(task, 5)
+    app = App(start(EVENT_STREAM), chunk(b"data: {}\n\n"))
+    conn = await shut_down_while_serving(app)
     assert app.cancelled
     assert conn.status() == 200  # already sent; only the stream's end can say what happened
     last = conn.sent[-1]
@@ -166,12 +168,8 @@ async def test_shutdown_mid_stream_ends_the_event_stream_with_an_error_event_and
 
 
 async def test_shutdown_mid_json_body_ends_it_with_nothing_more():
-    app, notice = App(start(), chunk(b'{"partial": ')), ShutdownNotice()
-    guard = RequestGuard(app, max_body_bytes=100, shutdown=notice)
-    conn = Connection(body())
-    task = await serving(guard, conn, app)
-    notice.expire()
-    await asyncio.wait_for(task, 5)
+    app = App(start(), chunk(b'{"partial": '))
+    conn = await shut_down_while_serving(app)
     assert app.cancelled
     assert conn.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert conn.body() == b'{"partial": '
@@ -277,12 +275,8 @@ async def test_a_request_cancelled_from_outside_leaves_no_task_behind():
 
 
 async def test_a_shutdown_returns_once_the_app_has_cleaned_up():
-    app, notice = App(start(EVENT_STREAM), cleanup_s=0.05), ShutdownNotice()
-    guard = RequestGuard(app, max_body_bytes=100, shutdown=notice)
-    conn = Connection(body())
-    task = await serving(guard, conn, app)
-    notice.expire()
-    await asyncio.wait_for(task, 5)
+    app = App(start(EVENT_STREAM), cleanup_s=0.05)
+    conn = await shut_down_while_serving(app)
     assert app.cleaned_up and conn.ended()
 
 
