@@ -155,8 +155,7 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
         "clients": n, "tokens": tokens, "wall_s": round(last - first_sent, 3),
         "aggregate_tok_s": round(tokens / (last - first_sent), 1),
         "per_client_decode_tok_s_p50": round(statistics.median(decode), 1) if decode else None,
-        "ttft_ms_p50": round(percentile(ttfts, 50) * 1000, 1),
-        "ttft_ms_p99": round(percentile(ttfts, 99) * 1000, 1),
+        "ttft_ms_p50": ms(ttfts, 50), "ttft_ms_p99": ms(ttfts, 99),
         # Where TTFT goes: the server's own count (from the request's arrival at its engine
         # worker), the part of it spent waiting to be scheduled, and the clients' spread.
         "server_ttft_ms_p50": ms([r["server_ttft_s"] for r in results], 50),
