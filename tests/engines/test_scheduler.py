@@ -238,3 +238,24 @@ def test_pool_too_small_crosses_the_engine_process_pipe_whole():
     assert (err.tokens, err.capacity) == (5000, 4096)
     assert str(err) == str(KVPoolTooSmall(5000, 4096))
     assert "5000 tokens" in str(err) and "4096 tokens" in str(err)
+
+
+@pytest.mark.parametrize("blocks, size", [(0, 16), (4, 0), (0, 0)])
+def test_a_pool_without_room_is_refused(blocks, size):
+    with pytest.raises(ValueError, match="at least one block of at least one token"):
+        BlockPool(blocks, size)
+
+
+def test_the_smallest_pool_holds_one_token():
+    pool = BlockPool(1, 1)
+    pool.check_fits(1)
+    with pytest.raises(KVPoolTooSmall) as err:
+        pool.check_fits(2)
+    assert (err.value.tokens, err.value.capacity) == (2, 1)
+
+
+@pytest.mark.parametrize("batch, budget", [(0, 8), (4, 0), (0, 0)])
+def test_a_scheduler_that_could_never_run_a_row_is_refused(batch, budget):
+    with pytest.raises(ValueError, match="max_batch and max_prefill_tokens must be at least 1"):
+        Scheduler(BlockPool(4, 16), max_batch=batch, max_prefill_tokens=budget)
+    Scheduler(BlockPool(4, 16), max_batch=1, max_prefill_tokens=1)
