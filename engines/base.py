@@ -28,7 +28,9 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-@dataclass(frozen=True)
+# One per token per request: slots without frozen, whose __init__ costs a sixth of a frozen
+# one's. Treated as read-only.
+@dataclass(slots=True)
 class Step:
     """One generated token and the text it made visible (may be empty mid-character)."""
 

@@ -3,11 +3,17 @@
 mlx-lm's own BatchGenerator on the same prompts (prefill included in both).
 
   python scripts/profile_mlx_batch.py --model llama-3.2-1b --batches 1,16,32
-"""
+  python scripts/profile_mlx_batch.py --batches 32 --lead 1   # a burst: one prompt a step early
+
+Prints each side's tok/s, time to first token (median over the batch) and step times: the
+first steps (the prefill) apart from the decode steps after them."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,11 +22,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def reference(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list]:
+    """mlx-lm's BatchGenerator given the batch at once: seconds in all, median seconds to a
+    row's first token, and each next()'s seconds."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    start = time.perf_counter()
+    gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    first: dict[int, float] = {}
+    steps = []
+    left = len(prompts)
+    while left:
+        tic = time.perf_counter()
+        _, generated = gen.next()
+        steps.append(time.perf_counter() - tic)
+        for r in generated:
+            first.setdefault(r.uid, time.perf_counter() - start)
+            left -= r.finish_reason is not None
+    gen.close()
+    return time.perf_counter() - start, statistics.median(first.values()), steps
+
+
+def ms(seconds: list[float]) -> str:
+    return " ".join(f"{s * 1000:.1f}" for s in seconds)
+
+
 def main() -> int:
-    from engines.base import SamplingParams
+    from engines.base import RequestStats, SamplingParams
     from engines.bench.systems import MLXLMGenerate
     from engines.dummy import write_dummy_model
     from engines.mlx_engine import MLXEngine
+    from engines.mlx_engine.executor import MLXExecutor
     from engines.runtime.runtime import Runtime, Submission
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,32 +66,71 @@ def main() -> int:
     parser.add_argument("--waves", type=int, default=1,
                         help="add the prompts in this many groups, one group a step, as "
                         "requests arriving over a few ms reach a server")
+    parser.add_argument("--lead", type=int, default=0,
+                        help="add this many prompts a step before the others (the head of "
+                        "a burst reaching an idle server)")
+    parser.add_argument("--min-chunk", type=int, default=None,
+                        help="the executor's fewest prompt tokens a step per prompt (a large "
+                        "value prefills each prompt whole)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the last batch size's timed runs (host time by function)")
+    parser.add_argument("--show-steps", type=int, default=8,
+                        help="print this many first step times")
     args = parser.parse_args()
+    if args.min_chunk is not None:
+        MLXExecutor.min_chunk = args.min_chunk
     batches = [int(b) for b in args.batches.split(",")]
     path = write_dummy_model(args.model, Path(args.cache) / args.model)
-    engine = MLXEngine(path, context_length=1024, max_batch=max(batches))
-    reference = MLXLMGenerate()
-    reference.setup(path, "auto", args.prompt_tokens + args.max_tokens)
+    engine = MLXEngine(path, context_length=1024, max_batch=max(batches),
+                       max_prefill_tokens=args.max_prefill_tokens)
+    ref = MLXLMGenerate()
+    ref.setup(path, "auto", args.prompt_tokens + args.max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for b in batches:
         prompts = [[(31 * i + 7 * j) % 9000 + 100 for j in range(args.prompt_tokens)]
                    for i in range(b)]
+        waves = [prompts[:args.lead]] if args.lead else []
+        rest = prompts[args.lead:]
+        waves += [rest[i::args.waves] for i in range(args.waves)]
         for attempt in range(2):  # the first of each is a warm-up
+            profiler = cProfile.Profile() if args.profile and attempt == 1 else None
+            if profiler:
+                profiler.enable()
             runtime = Runtime(engine, max_batch=b)
-            done = []
+            stats: list[RequestStats] = []
+            steps = []
+            pending = [list(w) for w in waves if w]
             started = time.perf_counter()
-            waves = [prompts[i::args.waves] for i in range(args.waves)]
-            steps = 0
-            while waves or runtime.has_work:
-                for p in waves.pop(0) if waves else ():
-                    runtime.add(Submission(p, params, lambda e: done.append(e)))
+            while pending or runtime.has_work:
+                for p in pending.pop(0) if pending else ():
+                    runtime.add(Submission(p, params, lambda e: isinstance(e, RequestStats)
+                                           and stats.append(e)))
+                tic = time.perf_counter()
                 runtime.step()
-                steps += 1
+                steps.append(time.perf_counter() - tic)
             duet_s = time.perf_counter() - started
-            ref_s = reference.run_batch(prompts, args.max_tokens)
-        print(f"B={b} in {args.waves} wave(s): duet engine {b * args.max_tokens / duet_s:8.1f} tok/s ({steps} steps, "
-              f"{duet_s / steps * 1000:.2f} ms a step); mlx-lm BatchGenerator "
-              f"{b * args.max_tokens / ref_s:8.1f} tok/s; ratio {ref_s / duet_s:.2f}", flush=True)
+            if profiler:
+                profiler.disable()
+                print(f"duet, B={b}:")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+                profiler = cProfile.Profile()
+                profiler.enable()
+            ref_s, ref_ttft, ref_steps = reference(ref.model, prompts, args.max_tokens)
+            if profiler:
+                profiler.disable()
+                print(f"mlx-lm, B={b}:")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        ttft = statistics.median(s.ttft_s for s in stats)
+        k = args.show_steps
+        print(f"B={b} (lead {args.lead}, {args.waves} wave(s)): duet engine "
+              f"{b * args.max_tokens / duet_s:8.1f} tok/s, TTFT p50 {ttft * 1000:.1f} ms, "
+              f"{len(steps)} steps, decode step p50 {statistics.median(steps[k:]) * 1000:.2f} ms; "
+              f"mlx-lm BatchGenerator {b * args.max_tokens / ref_s:8.1f} tok/s, TTFT p50 "
+              f"{ref_ttft * 1000:.1f} ms, {len(ref_steps)} steps, decode step p50 "
+              f"{statistics.median(ref_steps[k:]) * 1000:.2f} ms; ratio {ref_s / duet_s:.2f}",
+              flush=True)
+        print(f"   first steps ms: duet {ms(steps[:k])} | mlx-lm {ms(ref_steps[:k])}", flush=True)
     return 0
 
 

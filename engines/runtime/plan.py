@@ -39,7 +39,9 @@ class RowSampling:
 PENDING = -1
 
 
-@dataclass(frozen=True)
+# Built for every row of every step: slots without frozen, whose __init__ costs a sixth of a
+# frozen one's (1 us a row in Python 3.11). Executors treat rows as read-only.
+@dataclass(slots=True)
 class ScheduledSeq:
     seq_id: int
     tokens: tuple[int, ...]  # the tokens this step feeds: a prompt chunk, or the last sampled
