@@ -170,9 +170,13 @@ class Runtime:
             live.sub.emit(event)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
-        """A step that raised fails the requests it carried; the others go on."""
-        log.error("a step of %d sequences failed: %s", len(plan.rows), exc)
+        """A step that raised fails the requests it carried; the others go on. An executor that
+        answers late (MLX) runs its whole batch each step, sequences awaiting a token included,
+        which no plan carries: they fail with it instead of waiting for good."""
         ids = [row.seq_id for row in plan.rows]
+        if not self.executor.chunked_prefill:
+            ids += [seq.seq_id for seq in self.scheduler.running if seq.seq_id not in ids]
+        log.error("a step of %d sequences failed: %s", len(ids), exc)
         try:
             self.executor.release(ids)
         except Exception:

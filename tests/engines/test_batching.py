@@ -239,3 +239,42 @@ def test_mlx_prompts_arriving_together_join_at_once_and_prefill_within_the_budge
     assert inserts == [4]
     prefill = [(rows, width) for rows, width in shapes if width > 1]
     assert prefill and max(rows * width for rows, width in prefill) <= 8, prefill
+
+
+def test_a_failed_step_of_a_late_answering_executor_fails_every_sequence_awaiting_it():
+    """MLX answers a sequence's token a step or more after the plan that asked for it, and
+    runs its whole batch each step: when a step raises, the sequences awaiting a token (which
+    that plan does not carry) fail too, instead of waiting for an answer that never comes."""
+    from engines.fake import FakeEngine, FakeExecutor
+    from engines.runtime.plan import StepOutput
+
+    class Late(FakeExecutor):
+        chunked_prefill = False
+
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.held: dict[int, int] = {}
+            self.steps = 0
+
+        def step(self, plan):
+            self.steps += 1
+            if self.steps == 4:
+                raise RuntimeError("the device went away")
+            answered, self.held = self.held, dict(super().step(plan).tokens)
+            return StepOutput(answered)
+
+    engine = FakeEngine(reply="x" * 30, max_batch=4)
+    engine.executor = lambda: Late(engine)
+    runtime = Runtime(engine)
+    events: dict[str, list] = {"a": [], "b": []}
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    runtime.add(Submission([1, 2, 3], params, events["a"].append))
+    runtime.step()
+    runtime.add(Submission([4, 5], params, events["b"].append))
+    for _ in range(10):
+        if not runtime.has_work:
+            break
+        runtime.step()
+    assert not runtime.has_work
+    for name, got in events.items():
+        assert isinstance(got[-1], RuntimeError), name
