@@ -69,9 +69,13 @@ def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, 
     trash = engine.kv.trash
     assert torch.equal(before[:trash].view(torch.int32), engine.kv.k[0][:trash].view(torch.int32))
     assert set(engine.decoder._graphs) == {(b, n) for b in (1, 2, 4) for n in (16, 32, 64, 96)}
+    buckets = set(engine.decoder._graphs)
     runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
     got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
     assert got == expected
+    # Every step replayed a graph captured at warm-up: none captured again, none for a batch
+    # or length outside the buckets.
+    assert set(engine.decoder._graphs) == buckets and len(graphs.captured) == len(buckets)
     # Seeded sampling through the graphs' logits: the same draws as alone.
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=30, seed=5, ignore_eos=True)
     engine_solo = alone(engine, PROMPTS[0], params)

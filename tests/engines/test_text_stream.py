@@ -179,3 +179,99 @@ def test_a_request_cancelled_before_its_first_token_reports_no_speeds():
     assert last.finish_reason == stats.finish_reason == "cancelled" and last.text == ""
     assert (stats.completion_tokens, stats.ttft_s, stats.total_s, stats.queue_s) == (0, 0.5, 0.5, 0.5)
     assert stats.prefill_tokens_per_s == stats.decode_tokens_per_s == 0.0
+
+
+# -- the tokenizer's own contract (what mutation testing found unguarded) -------------------
+
+
+@pytest.fixture(scope="module")
+def bos_bpe(tiny_dirs, tmp_path_factory):
+    """The tiny tokenizer with a post-processor that puts BOS first, as Llama's does."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dirs["llama"][0]))
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    out = tmp_path_factory.mktemp("bos-tokenizer")
+    tok.save_pretrained(out)
+    return ChatTokenizer(out)
+
+
+def test_a_completion_prompt_starts_with_bos_and_generated_text_does_not(bos_bpe):
+    bos = bos_bpe.bos_token_id
+    assert bos == bos_bpe._tok.convert_tokens_to_ids("<|im_start|>")
+    body = bos_bpe.encode("hi there")
+    assert bos not in body and body
+    assert bos_bpe.encode_prompt("hi there") == [bos, *body]
+    # decode() drops special tokens: the prompt's BOS, an end token
+    assert bos_bpe.decode(bos_bpe.encode_prompt("hi there")) == "hi there"
+    assert bos_bpe.decode([*body, *bos_bpe.eos_token_ids]) == "hi there"
+
+
+def test_the_chat_template_gives_transformers_token_ids(byte_bpe):
+    messages = [{"role": "user", "content": "hello 🙂"}]
+    ids = byte_bpe.apply_chat_template(messages)
+    assert ids == list(byte_bpe._tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+    assert all(type(t) is int for t in ids)
+    assert byte_bpe.decode(ids) == "user\nhello 🙂\nassistant\n"
+
+
+@pytest.mark.parametrize("shape", ["dict", "encoding"])
+def test_a_chat_template_answered_as_a_dict_still_gives_ids(byte_bpe, monkeypatch, shape):
+    """Some transformers versions answer apply_chat_template with a dict or a BatchEncoding
+    whatever return_dict says."""
+    from transformers import BatchEncoding
+
+    answer = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]}
+    if shape == "encoding":
+        answer = BatchEncoding(answer)
+    monkeypatch.setattr(byte_bpe._tok, "apply_chat_template", lambda *a, **k: answer)
+    assert byte_bpe.apply_chat_template([{"role": "user", "content": "x"}]) == [5, 6, 7]
+
+
+def test_a_model_without_a_chat_template_says_to_use_completions(tiny_dirs, monkeypatch):
+    tok = ChatTokenizer(tiny_dirs["llama"][0])
+    assert tok.has_chat_template
+    tok.has_chat_template = False
+    with pytest.raises(ValueError, match=r"no chat template; use /v1/completions"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_the_rust_stream_skips_special_tokens_and_stands_aside_for_space_clean_up(tiny_dirs):
+    tok = ChatTokenizer(tiny_dirs["llama"][0])
+    detok = IncrementalDetokenizer(tok)
+    assert detok._stream is not None
+    eos = next(iter(tok.eos_token_ids))
+    assert [detok.add(t) for t in [*tok.encode("ab"), eos]] in (["a", "b", ""], ["", "ab", ""])
+    # transformers' clean-up would change decode()'s text: the windowed decodes apply it
+    tok._tok.clean_up_tokenization_spaces = True
+    assert tok.decode_stream() is None
+    tok._tok.clean_up_tokenization_spaces = False
+    assert tok.decode_stream() is not None
+
+
+def test_a_character_cut_off_at_the_end_is_flushed_from_the_rust_stream(byte_bpe):
+    ids = byte_bpe.encode("a🙂")
+    detok = IncrementalDetokenizer(byte_bpe)
+    assert detok._stream is not None
+    assert "".join(detok.add(i) for i in ids[:-1]) == "a"  # the emoji's last byte never came
+    assert detok.flush() == "\ufffd"  # its bytes so far, not nothing
+
+
+def test_the_tokenizer_crosses_a_process_boundary_with_a_lock_of_its_own(byte_bpe):
+    import pickle
+
+    assert "_lock" not in byte_bpe.__getstate__()
+    copy = pickle.loads(pickle.dumps(byte_bpe))
+    assert copy._lock is not byte_bpe._lock and copy._lock.acquire(blocking=False)
+    copy._lock.release()
+    assert copy.encode("héllo") == byte_bpe.encode("héllo")
+    assert copy.eos_token_ids == byte_bpe.eos_token_ids
+
+
+def test_a_complete_stop_wins_over_a_longer_one_starting_at_the_same_place():
+    matcher = StopMatcher(["ab", "abc"])
+    assert matcher.feed("xab") == "x" and matcher.stopped
