@@ -2,6 +2,8 @@
 alone (greedy, float32), whatever joins or leaves around it, however its prompt is chunked;
 seeded sampling gives a row the same draws alone and in a batch."""
 
+import time
+
 import pytest
 
 from engines.base import RequestStats, SamplingParams, Step
@@ -168,9 +170,9 @@ def test_mlx_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
     assert got == expected
 
 
-def counting_inserts(tiny_dirs, gather_s: float):
+def counting_inserts(tiny_dirs, gather_s: float, quiet_s: float = 0.0):
     """An MLX runtime of 4 rows whose generator counts the prompts of each insert; four greedy
-    jobs and the tokens each gets alone."""
+    jobs and the tokens each gets alone. quiet_s 0: an idle generator takes a prompt at once."""
     pytest.importorskip("mlx_lm")
     from engines.mlx_engine import MLXEngine
 
@@ -180,6 +182,7 @@ def counting_inserts(tiny_dirs, gather_s: float):
     expected = [alone(engine, p, g) for p, g in jobs]
     runtime = Runtime(engine, max_batch=4)
     runtime.executor.gather_s = gather_s
+    runtime.executor.quiet_s = quiet_s
     calls = []
     insert = runtime.executor._gen.insert
     runtime.executor._gen.insert = lambda prompts, **kw: (calls.append(len(prompts)),
@@ -191,7 +194,7 @@ def counting_inserts(tiny_dirs, gather_s: float):
 def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gather_s, inserts):
     """Each BatchGenerator.insert is a prefill and a merge into the running batch: prompts that
     arrive one a step while a batch runs are gathered (up to gather_s) and inserted at once,
-    and still get their solo tokens. An idle generator takes a prompt at once."""
+    and still get their solo tokens."""
     runtime, jobs, expected, calls = counting_inserts(tiny_dirs, gather_s)
     got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 4])
     assert got == expected
@@ -206,6 +209,21 @@ def test_mlx_gathered_prompts_join_at_the_first_step_without_a_newcomer(tiny_dir
     got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 6])
     assert got == expected
     assert calls == [1, 2, 1]
+
+
+def test_an_idle_mlx_generator_holds_a_burst_until_it_goes_quiet(tiny_dirs):
+    """The head of a burst reaching an idle generator is not inserted alone: prompts keep
+    gathering while they come less than quiet_s apart (here: forever), and join at once when
+    the batch is full; then a lone prompt is taken once quiet_s passes without a newcomer."""
+    runtime, jobs, expected, calls = counting_inserts(tiny_dirs, 60.0, quiet_s=60.0)
+    got, _ = run_together(runtime, jobs, join_at=[0, 1, 1, 3])
+    assert got == expected
+    assert calls == [4]
+    runtime.executor.quiet_s = 0.01
+    started = time.perf_counter()
+    got, _ = run_together(runtime, jobs[:1])
+    assert got == expected[:1] and calls == [4, 1]
+    assert time.perf_counter() - started >= 0.01
 
 
 def test_mlx_prompts_arriving_together_join_at_once_and_prefill_within_the_budget(
