@@ -111,6 +111,17 @@ def test_a_request_the_kv_cache_could_never_hold_is_400_naming_the_limit(make_cl
         assert ok.status_code == 200, ok.text
 
 
+async def admitted(client, n: int) -> None:
+    """Until the engines hold n jobs (running or waiting), as /health reports them: a sleep
+    would race a loaded machine."""
+    for _ in range(500):
+        engines = (await client.get("/health")).json()["engines"]
+        if sum(e["running"] + e["waiting"] for e in engines) >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"fewer than {n} jobs admitted after 10 s: {engines}")
+
+
 def slow_app(models_file, **settings):
     factory = FakeFactory(token_delay_s=0.05, reply="z" * 40)  # about 2 s per request
     return create_app(Settings(models_file=models_file, **settings), factory), factory
@@ -122,9 +133,9 @@ def test_a_full_engine_queue_is_429_with_retry_after(models_file):
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             running = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
-            await asyncio.sleep(0.2)
+            await admitted(client, 1)
             waiting = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
-            await asyncio.sleep(0.2)
+            await admitted(client, 2)
             refused = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
             return refused, await running, await waiting
 
@@ -175,9 +186,9 @@ def test_a_classification_counts_against_the_queue_bound(models_file):
     async def main(url):
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             running = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
-            await asyncio.sleep(0.2)
+            await admitted(client, 1)
             waiting = asyncio.create_task(client.post("/v1/classifications", json=body))
-            await asyncio.sleep(0.2)
+            await admitted(client, 2)
             refused = await client.post("/v1/chat/completions", json=CHAT)
             return refused, await running, await waiting
 
