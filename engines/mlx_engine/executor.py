@@ -66,7 +66,7 @@ class MLXExecutor:
             self._held = []
         if not self._uid:
             if self._held:  # an idle generator waiting out the quiet window: no busy loop
-                time.sleep(self.quiet_s / 4)
+                time.sleep(min(self.quiet_s / 4, 0.0005))
             return StepOutput({})
         if self._prefilling:
             self._gen.prefill_step_size = max(self.min_chunk,

@@ -176,7 +176,7 @@ def counting_inserts(tiny_dirs, gather_s: float, quiet_s: float = 0.0):
     pytest.importorskip("mlx_lm")
     from engines.mlx_engine import MLXEngine
 
-    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", max_batch=4)
     jobs = list(zip(PROMPTS[:4], [SamplingParams(max_tokens=12, temperature=0.0,
                                                  ignore_eos=True)] * 4))
     expected = [alone(engine, p, g) for p, g in jobs]
