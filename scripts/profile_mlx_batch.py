@@ -16,33 +16,27 @@ import pstats
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def reference(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list]:
-    """mlx-lm's BatchGenerator given the batch at once: seconds in all, median seconds to a
-    row's first token, and each next()'s seconds."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts),
-                         prefill_batch_size=len(prompts))
-    start = time.perf_counter()
-    gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-    first: dict[int, float] = {}
-    steps = []
-    left = len(prompts)
-    while left:
-        tic = time.perf_counter()
-        _, generated = gen.next()
-        steps.append(time.perf_counter() - tic)
-        for r in generated:
-            first.setdefault(r.uid, time.perf_counter() - start)
-            left -= r.finish_reason is not None
-    gen.close()
-    return time.perf_counter() - start, statistics.median(first.values()), steps
+@contextmanager
+def profiled(label: str, on: bool):
+    """With on, cProfile the block and print its 25 costliest functions by own time."""
+    if not on:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        print(f"{label}:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def ms(seconds: list[float]) -> str:
@@ -94,34 +88,25 @@ def main() -> int:
         rest = prompts[args.lead:]
         waves += [rest[i::args.waves] for i in range(args.waves)]
         for attempt in range(2):  # the first of each is a warm-up
-            profiler = cProfile.Profile() if args.profile and attempt == 1 else None
-            if profiler:
-                profiler.enable()
+            profile = args.profile and attempt == 1
             runtime = Runtime(engine, max_batch=b)
             stats: list[RequestStats] = []
             steps = []
             pending = [list(w) for w in waves if w]
-            started = time.perf_counter()
-            while pending or runtime.has_work:
-                for p in pending.pop(0) if pending else ():
-                    runtime.add(Submission(p, params, lambda e: isinstance(e, RequestStats)
-                                           and stats.append(e)))
-                tic = time.perf_counter()
-                runtime.step()
-                steps.append(time.perf_counter() - tic)
-            duet_s = time.perf_counter() - started
-            if profiler:
-                profiler.disable()
-                print(f"duet, B={b}:")
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-                profiler = cProfile.Profile()
-                profiler.enable()
-            ref_s, ref_ttft, ref_steps = reference(ref.model, prompts, args.max_tokens)
-            if profiler:
-                profiler.disable()
-                print(f"mlx-lm, B={b}:")
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            with profiled(f"duet, B={b}", profile):
+                started = time.perf_counter()
+                while pending or runtime.has_work:
+                    for p in pending.pop(0) if pending else ():
+                        runtime.add(Submission(p, params, lambda e: isinstance(e, RequestStats)
+                                               and stats.append(e)))
+                    tic = time.perf_counter()
+                    runtime.step()
+                    steps.append(time.perf_counter() - tic)
+                duet_s = time.perf_counter() - started
+            with profiled(f"mlx-lm, B={b}", profile):
+                ref_s, ref_firsts, ref_steps = ref.run_batch_timed(prompts, args.max_tokens)
         ttft = statistics.median(s.ttft_s for s in stats)
+        ref_ttft = statistics.median(ref_firsts)
         k = args.show_steps
         print(f"B={b} (lead {args.lead}, {args.waves} wave(s)): duet engine "
               f"{b * args.max_tokens / duet_s:8.1f} tok/s, TTFT p50 {ttft * 1000:.1f} ms, "

@@ -173,17 +173,30 @@ class MLXLMGenerate:
     def run_batch(self, prompts: list[list[int]], new_tokens: int) -> float:
         """Seconds for mlx-lm's BatchGenerator to give every prompt new_tokens, prefill
         included."""
+        return self.run_batch_timed(prompts, new_tokens)[0]
+
+    def run_batch_timed(self, prompts: list[list[int]],
+                        new_tokens: int) -> tuple[float, list[float], list[float]]:
+        """run_batch's seconds, each prompt's seconds to its first token, and each step's
+        (BatchGenerator.next()) seconds."""
         from mlx_lm.generate import BatchGenerator
 
         gen = BatchGenerator(self.model, max_tokens=new_tokens,
                              completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
         start = time.perf_counter()
         gen.insert(prompts, max_tokens=[new_tokens] * len(prompts))
+        first: dict[int, float] = {}
+        steps = []
         left = len(prompts)
         while left:
-            left -= sum(r.finish_reason is not None for r in gen.next_generated())
+            tic = time.perf_counter()
+            _, generated = gen.next()
+            steps.append(time.perf_counter() - tic)
+            for r in generated:
+                first.setdefault(r.uid, time.perf_counter() - start)
+                left -= r.finish_reason is not None
         gen.close()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, list(first.values()), steps
 
     def teardown(self) -> None:
         self.model = None

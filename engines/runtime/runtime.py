@@ -175,7 +175,8 @@ class Runtime:
         which no plan carries: they fail with it instead of waiting for good."""
         ids = [row.seq_id for row in plan.rows]
         if not self.executor.chunked_prefill:
-            ids += [seq.seq_id for seq in self.scheduler.running if seq.seq_id not in ids]
+            carried = set(ids)
+            ids += [seq.seq_id for seq in self.scheduler.running if seq.seq_id not in carried]
         log.error("a step of %d sequences failed: %s", len(ids), exc)
         try:
             self.executor.release(ids)
