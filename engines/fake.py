@@ -73,8 +73,12 @@ class FakeEngine(GenerationEngine):
         max_batch: int = 1,
         kv_tokens: int | None = None,
         max_prefill_tokens: int | None = None,
+        threaded_output: bool = False,
     ):
+        """threaded_output: the runtime delivers the requests' output on a thread of its own,
+        as it does for the MLX engine."""
         self.name = name
+        self.threaded_output = threaded_output
         self.reply = reply
         self.context_length = context_length
         self.token_delay_s = token_delay_s
@@ -140,6 +144,7 @@ class FakeExecutor:
 
     def __init__(self, engine: FakeEngine):
         self.engine = engine
+        self.threaded_output = engine.threaded_output
         self._request_no: dict[int, int] = {}
         self._script: dict[int, list[int]] = {}
         self._made: dict[int, int] = {}

@@ -69,6 +69,8 @@ def main() -> int:
     parser.add_argument("--max-prefill-tokens", type=int, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the last batch size's timed runs (host time by function)")
+    parser.add_argument("--inline-output", action="store_true",
+                        help="deliver the requests' output on the step's thread, not beside it")
     parser.add_argument("--show-steps", type=int, default=8,
                         help="print this many first step times")
     args = parser.parse_args()
@@ -89,7 +91,8 @@ def main() -> int:
         waves += [rest[i::args.waves] for i in range(args.waves)]
         for attempt in range(2):  # the first of each is a warm-up
             profile = args.profile and attempt == 1
-            runtime = Runtime(engine, max_batch=b)
+            runtime = Runtime(engine, max_batch=b,
+                              threaded_output=False if args.inline_output else None)
             stats: list[RequestStats] = []
             steps = []
             pending = [list(w) for w in waves if w]
@@ -102,6 +105,7 @@ def main() -> int:
                     tic = time.perf_counter()
                     runtime.step()
                     steps.append(time.perf_counter() - tic)
+                runtime.close()  # the last tokens' events are out
                 duet_s = time.perf_counter() - started
             with profiled(f"mlx-lm, B={b}", profile):
                 ref_s, ref_firsts, ref_steps = ref.run_batch_timed(prompts, args.max_tokens)

@@ -11,15 +11,21 @@ the generator is told none of them."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 from ..runtime.plan import ScheduledSeq, StepOutput, StepPlan
 from .sampling import make_sampler
 
+log = logging.getLogger("duet.engines.mlx")
+
 
 class MLXExecutor:
     chunked_prefill = False
+    # mlx-cuda's step is bound by the host (its Python and kernel launches): the runtime's own
+    # per-token work (detokenizing, stop strings, events) runs on a thread beside it.
+    threaded_output = True
     # Prompts that arrive while the generator runs are gathered (until a step brings none, for
     # at most gather_s) and inserted together: each insert is a prefill of its own and a merge
     # into the running batch, and on an H200 16 prompts joining one a step ran at 0.53x the
@@ -94,6 +100,7 @@ class MLXExecutor:
         return now - self._last_new >= self.quiet_s
 
     def _insert(self, rows: list[ScheduledSeq]) -> None:
+        log.debug("%d prompt(s) join a batch of %d", len(rows), len(self._uid))
         uids = self._gen.insert(
             [list(row.tokens) for row in rows],
             max_tokens=[self._context for _ in rows],

@@ -4,7 +4,8 @@ generation at once, and exclusive jobs (loading, a classification, a bench run, 
 run whole between two steps in the order they came.
 
 Other threads talk to it only through submit(), load(), run_job(), add() and close(); events
-flow back through each generation's emit callback, on this thread. process.py offers the same
+flow back through each generation's emit callback, on this thread or on the runtime's delivery
+thread (delivery.py). process.py offers the same
 interface with the engine in a child process."""
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ log = logging.getLogger("duet.runtime")
 
 class EngineLoop:
     def __init__(self, name: str, *, after: Callable[[], None] | None = None, **runtime_options):
-        """after, if given, is called on the loop's thread after every step or job (the engine
-        process sends the step's events there)."""
+        """after, if given, is called after every step or job (the engine process sends the
+        step's events there): on the loop's thread, or after a step's events on the runtime's
+        delivery thread."""
         self.name = name
         self._after = after
         self.engine: Any = None
@@ -123,12 +125,16 @@ class EngineLoop:
                 self._run_job(*job)
             if closing:
                 break
-            if self._busy():
+            stepped = self._busy()
+            if stepped:
                 self._step()
             if self._after is not None:
-                self._after()
+                if stepped and self.runtime.delivery.threaded:
+                    self.runtime.delivery.post(self._after)  # after the step's events
+                else:
+                    self._after()
         if self.runtime is not None:
-            self.runtime.stop_all()
+            self.runtime.close()
         if self._after is not None:
             self._after()
 

@@ -19,8 +19,8 @@ class RequestOutput:
                  device: str, arrival: float, clock: Callable[[], float] = time.perf_counter):
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(params.stop)
-        self._eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
-        self._max_tokens = params.max_tokens
+        self.eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        self.max_tokens = params.max_tokens
         self.prompt_tokens = prompt_tokens
         self.engine, self.device = engine, device
         self.clock = clock
@@ -31,6 +31,7 @@ class RequestOutput:
         self.n = 0
         self.last_token = -1
         self.finish: FinishReason | None = None
+        self.closed = False  # close() has run: its events are out
         self.peak_memory_bytes = 0
         self.kv_cache_bytes = 0
 
@@ -38,21 +39,28 @@ class RequestOutput:
     def done(self) -> bool:
         return self.finish is not None
 
-    def add(self, token_id: int) -> list[Step]:
-        """The step's token; [] when it only ended the generation (an end-of-sequence id)."""
-        now = self.clock()
+    def ends(self, token_id: int, n: int) -> bool:
+        """Whether the n-th token, token_id, ends the generation without looking at its text
+        (an end-of-sequence id, max_tokens): what the step's thread decides on its own."""
+        return token_id in self.eos or n >= self.max_tokens
+
+    def add(self, token_id: int, now: float | None = None) -> list[Step]:
+        """The step's token (sampled at `now`); [] when it only ended the generation (an
+        end-of-sequence id)."""
+        if now is None:
+            now = self.clock()
         self.n += 1
         if self.first_at is None:
             self.first_at = now
         self.last_at = now
         self.last_token = token_id
-        if token_id in self._eos:
+        if token_id in self.eos:
             self.finish = "stop"
             return []
         step = Step(token_id, self._stops.feed(self._detok.add(token_id)))
         if self._stops.stopped:
             self.finish = "stop"
-        elif self.n >= self._max_tokens:
+        elif self.n >= self.max_tokens:
             self.finish = "length"
         return [step]
 
@@ -68,6 +76,7 @@ class RequestOutput:
             if self._stops.stopped:
                 finish = "stop"
         self.finish = finish
+        self.closed = True
         now = self.clock()
         first = self.first_at if self.first_at is not None else now
         last = self.last_at if self.last_at is not None else now

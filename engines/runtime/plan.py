@@ -90,6 +90,10 @@ class StepExecutor(Protocol):
     # work overlaps the device's. Its decode rows may carry PENDING.
     pipelined: bool
 
+    # Whether the runtime delivers the requests' output (text, stop strings, events) on a
+    # thread of its own, beside the next step (optional; False when absent).
+    threaded_output: bool
+
     def release(self, seq_ids: Sequence[int]) -> None:
         """Drop these sequences' state now (a failed step, or the executor's end)."""
         ...

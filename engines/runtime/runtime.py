@@ -9,10 +9,12 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..base import Cancelled, SamplingParams, StopCheck
+from .delivery import Delivery
 from .output import RequestOutput
 from .plan import RowSampling, StepPlan
 from .scheduler import Scheduler, Sequence
@@ -45,7 +47,9 @@ class _Live:
 
 class Runtime:
     def __init__(self, engine, *, max_batch: int | None = None,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, threaded_output: bool | None = None):
+        """threaded_output: deliver each step's output on a thread of its own (None: as the
+        engine's executor asks)."""
         self.engine = engine
         self.executor = engine.executor()
         self.pipelined = getattr(self.executor, "pipelined", False)
@@ -61,6 +65,13 @@ class Runtime:
         self._ids = engine.seq_ids
         self._meter = getattr(engine, "meter", None)
         self.last_batch = 0
+        # Off the step's thread for an executor that asks for it (MLX): see delivery.py.
+        threaded = getattr(self.executor, "threaded_output", False) if threaded_output is None \
+            else threaded_output
+        self.delivery = Delivery(f"{engine.name}-output" if threaded else None)
+        # Ended by their text (a stop string), seen on the delivery thread: they leave the
+        # batch at the next step.
+        self._ended: deque[int] = deque()
         # Running means of a step's wall time and of the executor's share of it: what is left
         # is the runtime's own host work (scheduling, detokenizing, handing events over).
         self.step_s = 0.0
@@ -128,45 +139,98 @@ class Runtime:
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started)
 
     def _handle(self, plan: StepPlan, output) -> None:
+        """On the step's thread: the scheduler's bookkeeping and the endings that need no text
+        (end-of-sequence, max_tokens), so the sequence leaves the batch now. The text, stop
+        strings and events are the delivery's."""
         peak = self._meter.peak_bytes() if self._meter is not None else 0
         sampled = self.scheduler.update(plan, output)
+        now = time.perf_counter()
         for live in self._live.values():
             if live.started:
                 live.out.peak_memory_bytes = max(live.out.peak_memory_bytes, peak)
+        batch = []
+        ended = []
         for seq, token in sampled:
             live = self._live.get(seq.seq_id)
             if live is None:
                 continue
-            for event in live.out.add(token):
-                live.sub.emit(event)
-            if live.out.done:
-                self._finish(live)
+            batch.append((live, token))
+            if live.out.ends(token, len(seq.generated)):
+                ended.append(live)
+        for live in ended:
+            self._leave(live)  # the delivery closes it once it has read its last token
+        if batch:
+            self.delivery.post(self._deliver, batch, now)
+
+    def _deliver(self, batch: list[tuple[_Live, int]], now: float) -> None:
+        """On the delivery's thread: each token's text and events; a request whose text ended
+        it (a stop string) is closed here and leaves the batch at the next step. Tokens of a
+        request already closed (a step it ran after its stop string) are dropped."""
+        for live, token in batch:
+            out = live.out
+            if out.closed:
+                continue
+            try:
+                for event in out.add(token, now):
+                    live.sub.emit(event)
+                if out.done:
+                    self._close(live)
+                    self._ended.append(live.seq.seq_id)
+            except Exception as exc:  # a bug of ours: this request ends with it, not the rest
+                log.exception("delivering a token failed")
+                out.closed = True
+                self._ended.append(live.seq.seq_id)
+                live.sub.emit(exc)
 
     def stop_all(self) -> None:
-        """End every request now, as cancelled (shutdown, or a one-off caller that left)."""
+        """End every request now, as cancelled (shutdown, or a one-off caller that left); on
+        return every event is out."""
         for live in list(self._live.values()):
             self._finish(live, "cancelled")
         self._launched = None  # its tokens have nobody left to go to
         released = self.scheduler.take_released()
         if released:
             self.executor.release(released)
+        self.delivery.drain()
+
+    def close(self) -> None:
+        """stop_all(), then the delivery's thread ends."""
+        self.stop_all()
+        self.delivery.close()
 
     def _stop_requested(self) -> None:
+        while self._ended:
+            live = self._live.get(self._ended.popleft())
+            if live is not None:
+                self._leave(live)
         for live in list(self._live.values()):
             stop = live.sub.should_stop
             if stop is not None and stop():
                 self._finish(live, "cancelled")
 
+    def _leave(self, live: _Live) -> None:
+        """The sequence leaves the batch and its blocks go back to the pool."""
+        self.scheduler.remove(live.seq)
+        del self._live[live.seq.seq_id]
+
     def _finish(self, live: _Live, reason=None) -> None:
-        seq = live.seq
-        live.out.kv_cache_bytes = (seq.peak_blocks * self.scheduler.pool.block_size
-                                   * self.scheduler.pool.bytes_per_token)
-        self.scheduler.remove(seq)
-        del self._live[seq.seq_id]
+        """End a request from the step's thread (cancelled): it leaves now, and its last events
+        follow whatever the delivery still holds for it."""
+        self._leave(live)
+        self.delivery.post(self._close, live, reason)
+
+    def _close(self, live: _Live, reason=None) -> None:
+        """On the delivery's thread: the request's last events, once."""
+        out = live.out
+        if out.closed:
+            return
+        pool = self.scheduler.pool
+        out.kv_cache_bytes = live.seq.peak_blocks * pool.block_size * pool.bytes_per_token
         if not live.started and reason == "cancelled":
+            out.closed = True
             live.sub.emit(Cancelled())  # never ran: nothing to report
             return
-        for event in live.out.close(reason):
+        for event in out.close(reason):
             live.sub.emit(event)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
@@ -186,7 +250,13 @@ class Runtime:
             live = self._live.pop(seq_id, None)
             if live is not None:
                 self.scheduler.remove(live.seq, tell_executor=False)
-                live.sub.emit(exc)
+                self.delivery.post(self._fail_one, live, exc)
+
+    @staticmethod
+    def _fail_one(live: _Live, exc: Exception) -> None:
+        if not live.out.closed:
+            live.out.closed = True
+            live.sub.emit(exc)
 
 
 def sequence_ids() -> itertools.count:

@@ -62,6 +62,7 @@ def run_together(runtime, jobs, join_at=None):
             if join_at[i] == step:
                 runtime.add(Submission(list(prompt), params, emit_for(i)))
         runtime.step()
+        runtime.delivery.drain()  # the step's events are out (a threaded delivery's too)
         step += 1
         assert step < 1000
     return [got[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]
@@ -296,3 +297,4 @@ def test_a_failed_step_of_a_late_answering_executor_fails_every_sequence_awaitin
     assert not runtime.has_work
     for name, got in events.items():
         assert isinstance(got[-1], RuntimeError), name
+

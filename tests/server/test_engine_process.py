@@ -78,12 +78,15 @@ async def started(make, **options) -> EngineWorker:
     return worker
 
 
-async def test_concurrent_requests_get_what_they_get_in_process():
+@pytest.mark.parametrize("threaded_output", [False, True])
+async def test_concurrent_requests_get_what_they_get_in_process(threaded_output):
+    """With the output delivered on the step's thread or beside it (as for MLX; the child then
+    sends each step's events from the delivery thread)."""
     prompts = [f"request number {i}: " + "x" * i for i in range(8)]
     results = {}
     for process in (False, True):
         worker = EngineWorker("w", process=process, max_queue=8)
-        await worker.load(echo(token_delay_s=0.002))
+        await worker.load(echo(token_delay_s=0.002, threaded_output=threaded_output))
         try:
             results[process] = await asyncio.gather(
                 *(run(worker, p, max_tokens=10 + 3 * i) for i, p in enumerate(prompts)))
