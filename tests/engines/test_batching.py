@@ -298,3 +298,38 @@ def test_a_failed_step_of_a_late_answering_executor_fails_every_sequence_awaitin
     for name, got in events.items():
         assert isinstance(got[-1], RuntimeError), name
 
+
+def test_the_mlx_warm_up_runs_a_join_a_sampled_row_and_a_leave(tiny_dirs, monkeypatch):
+    """MLX's CUDA backend compiles the kernels of a join (caches padded and merged), of a
+    leave and of a wide prefill the first time they run: the warm-up at load (on a GPU) runs
+    each once, so the first clients that arrive together do not wait seconds for it."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.generate import BatchGenerator
+
+    from engines.mlx_engine import MLXEngine
+    from engines.mlx_engine.warm_up import warm_up_batching
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
+    calls = []
+    insert, remove = BatchGenerator.insert, BatchGenerator.remove
+
+    def counting_insert(self, prompts, **kw):
+        sampled = sum(s is not None for s in kw["samplers"])
+        calls.append(("insert", sorted(map(len, prompts)), len(self._generation_batch), sampled))
+        return insert(self, prompts, **kw)
+
+    def counting_remove(self, uids, **kw):
+        calls.append(("remove", len(uids), len(self._generation_batch)))
+        return remove(self, uids, **kw)
+
+    monkeypatch.setattr(BatchGenerator, "insert", counting_insert)
+    monkeypatch.setattr(BatchGenerator, "remove", counting_remove)
+    assert warm_up_batching(engine) > 0
+    # One prompt alone, then two of other lengths (one sampled) joining it while it decodes.
+    assert calls[:2] == [("insert", [5], 0, 0), ("insert", [3, 9], 1, 1)]
+    removes = [c for c in calls if c[0] == "remove"]
+    assert removes and removes[0][2] == 3  # the first leaves while the other two run
+    # Then a wider prefill at once, as a burst of clients brings.
+    rows = min(8, engine.max_batch)
+    assert ("insert", [64] * rows, 0, 0) in calls, calls
+    assert engine.kv_pool.used_blocks == 0
