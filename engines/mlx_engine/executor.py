@@ -37,8 +37,11 @@ class MLXExecutor:
     # inserted alone is prefilled and decoded alone while the rest wait for its step, then
     # joins them in a merge of its own (engine alone on an H100, a burst's head a step early:
     # 0.85x / 0.72x of BatchGenerator at 16 / 32 rows against 1.06x / 0.82x all at once, same
-    # run). Clients' sends of one burst arrive well under a millisecond apart.
-    quiet_s = 0.002
+    # run). Clients send a burst within a few ms, but the server hands the prompts over one by
+    # one, 0.3-0.5 ms each, with pauses of up to 3 ms (an H200, 32 clients: 10-20 ms from the
+    # first to the last): with 2 ms, 3 bursts of 24 split in two, each split costing the whole
+    # batch a join; with 5 ms none did.
+    quiet_s = 0.005
     min_chunk = 32  # a prompt's fewest tokens a step, however many share the budget
 
     def __init__(self, model, *, max_batch: int, max_prefill_tokens: int, context_length: int):
@@ -56,6 +59,7 @@ class MLXExecutor:
         self._held: list[ScheduledSeq] = []  # prompts waiting to join together
         self._held_since = 0.0
         self._last_new = 0.0
+        self._widest_gap = 0.0  # between two arrivals of the prompts held (a debug log's)
         self._group = max_batch
 
     def step(self, plan: StepPlan) -> StepOutput:
@@ -65,6 +69,9 @@ class MLXExecutor:
         if new:
             if not self._held:
                 self._held_since = now
+                self._widest_gap = 0.0
+            else:
+                self._widest_gap = max(self._widest_gap, now - self._last_new)
             self._held += new
             self._last_new = now
         if self._held and self._joins(bool(new), now):
@@ -100,7 +107,9 @@ class MLXExecutor:
         return now - self._last_new >= self.quiet_s
 
     def _insert(self, rows: list[ScheduledSeq]) -> None:
-        log.debug("%d prompt(s) join a batch of %d", len(rows), len(self._uid))
+        log.debug("%d prompt(s) join a batch of %d after %.1f ms held (widest gap between "
+                  "arrivals %.1f ms)", len(rows), len(self._uid),
+                  (time.perf_counter() - self._held_since) * 1e3, self._widest_gap * 1e3)
         uids = self._gen.insert(
             [list(row.tokens) for row in rows],
             max_tokens=[self._context for _ in rows],
