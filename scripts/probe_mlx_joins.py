@@ -20,10 +20,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from engines.base import RequestStats, SamplingParams
+    from engines.base import SamplingParams
+    from engines.bench.core import step_in_waves
     from engines.dummy import write_dummy_model
     from engines.mlx_engine import MLXEngine
-    from engines.runtime.runtime import Runtime, Submission
+    from engines.runtime.runtime import Runtime
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.2-1b")
@@ -48,17 +49,8 @@ def main() -> int:
             waves.append([[(31 * i + 7 * j + n) % 9000 + 100 for j in range(args.prompt_tokens)]
                           for i in range(k, k + size)])
             k += size
-        done: list[RequestStats] = []
-        steps = []
         t0 = time.perf_counter()
-        while waves or runtime.has_work:
-            for prompt in waves.pop(0) if waves else ():
-                runtime.add(Submission(prompt, params, lambda e: isinstance(e, RequestStats)
-                                       and done.append(e)))
-            tic = time.perf_counter()
-            runtime.step()
-            steps.append(time.perf_counter() - tic)
-        runtime.delivery.drain()
+        _, steps = step_in_waves(runtime, waves, params)
         wall = time.perf_counter() - t0
         slowest = [round(s * 1000, 1) for s in sorted(steps)[-3:]]
         print(f"{'+'.join(map(str, pattern)):>8}: {wall * 1000:7.0f} ms "

@@ -44,12 +44,13 @@ def ms(seconds: list[float]) -> str:
 
 
 def main() -> int:
-    from engines.base import RequestStats, SamplingParams
+    from engines.base import SamplingParams
+    from engines.bench.core import step_in_waves
     from engines.bench.systems import MLXLMGenerate
     from engines.dummy import write_dummy_model
     from engines.mlx_engine import MLXEngine
     from engines.mlx_engine.executor import MLXExecutor
-    from engines.runtime.runtime import Runtime, Submission
+    from engines.runtime.runtime import Runtime
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.2-1b")
@@ -93,20 +94,11 @@ def main() -> int:
             profile = args.profile and attempt == 1
             runtime = Runtime(engine, max_batch=b,
                               threaded_output=False if args.inline_output else None)
-            stats: list[RequestStats] = []
-            steps = []
-            pending = [list(w) for w in waves if w]
             with profiled(f"duet, B={b}", profile):
                 started = time.perf_counter()
-                while pending or runtime.has_work:
-                    for p in pending.pop(0) if pending else ():
-                        runtime.add(Submission(p, params, lambda e: isinstance(e, RequestStats)
-                                               and stats.append(e)))
-                    tic = time.perf_counter()
-                    runtime.step()
-                    steps.append(time.perf_counter() - tic)
-                runtime.close()  # the last tokens' events are out
+                stats, steps = step_in_waves(runtime, waves, params)
                 duet_s = time.perf_counter() - started
+            runtime.close()
             with profiled(f"mlx-lm, B={b}", profile):
                 ref_s, ref_firsts, ref_steps = ref.run_batch_timed(prompts, args.max_tokens)
         ttft = statistics.median(s.ttft_s for s in stats)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..base import RequestStats, SamplingParams
+from ..runtime.runtime import Submission
 
 TargetKind = Literal["engine", "reference"]
 METRICS = ("ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_memory_bytes",
@@ -150,6 +151,25 @@ def engine_run(engine, prompt_ids: Sequence[int], max_tokens: int,
         if isinstance(event, RequestStats):
             return event
     raise RuntimeError(f"the {engine.name} engine ended without statistics")
+
+
+def step_in_waves(runtime, waves: Sequence[Sequence[Sequence[int]]], params: SamplingParams
+                  ) -> tuple[list[RequestStats], list[float]]:
+    """Step a runtime (engines/runtime) until it is idle, adding each wave of prompts a step
+    after the one before, as requests reaching a server a few ms apart. Returns the requests'
+    stats and each step's seconds; every event is out on return."""
+    stats: list[RequestStats] = []
+    steps = []
+    pending = [list(w) for w in waves if w]
+    while pending or runtime.has_work:
+        for prompt in pending.pop(0) if pending else ():
+            runtime.add(Submission(list(prompt), params, lambda e: isinstance(e, RequestStats)
+                                   and stats.append(e)))
+        tic = time.perf_counter()
+        runtime.step()
+        steps.append(time.perf_counter() - tic)
+    runtime.delivery.drain()
+    return stats, steps
 
 
 # ---------------------------------------------------------------- a system's measurements

@@ -128,3 +128,18 @@ def test_bench_modules_import_one_way_and_no_backend_at_import():
         modules |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.level == 0}
         backends = {m for m in modules if m.split(".")[0] in ("torch", "transformers", "mlx", "mlx_lm")}
         assert not backends, (name, backends)
+
+
+def test_step_in_waves_adds_a_wave_a_step_and_returns_with_every_request_done():
+    from engines.base import SamplingParams
+    from engines.runtime.runtime import Runtime
+
+    engine = FakeEngine(max_batch=4, reply="abc", threaded_output=True)
+    runtime = Runtime(engine)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    stats, steps = core.step_in_waves(runtime, [[[1], [2]], [[3]]], params)
+    runtime.close()
+    assert len(stats) == 3 and all(s.completion_tokens == 4 for s in stats)  # "abc" + EOS
+    # The third prompt came a step after the first two: it was prefilled alone.
+    assert engine.calls == [[1], [2], [3]] and engine.steps[:2] == [2, 3]
+    assert len(steps) >= len(engine.steps) and engine.kv_pool.used_blocks == 0
