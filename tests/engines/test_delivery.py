@@ -46,7 +46,17 @@ def test_a_raising_job_is_logged_and_the_work_after_it_still_runs(caplog):
     with caplog.at_level(logging.ERROR, logger="duet.runtime"):
         delivery.close()
     assert seen == [1, 2]
+    assert "delivering a step's output failed" in caplog.text
     assert "ZeroDivisionError" in caplog.text
+
+
+def test_drain_returns_at_once_when_nothing_was_posted():
+    delivery = Delivery("test-delivery")
+    drained = threading.Thread(target=delivery.drain, daemon=True)
+    drained.start()
+    drained.join(2.0)
+    assert not drained.is_alive()
+    delivery.close()
 
 
 def test_inline_work_runs_at_once_and_raises_to_the_caller():
@@ -214,3 +224,20 @@ def test_a_failed_step_ends_its_requests_after_the_tokens_they_had():
         runtime.step()
     runtime.close()
     assert [type(e) for e in got] == [Step] * 6 + [RuntimeError]
+
+
+def test_endings_without_text_leave_the_batch_at_once_however_the_delivery_lags():
+    """End-of-sequence and max_tokens are seen on the step's thread: the sequence is given no
+    token past its last, even while the delivery is steps behind (a stop string, which only the
+    delivery sees, costs a step)."""
+    engine = FakeEngine(max_batch=2, reply="abc")
+    given = {}
+    engine.ended = lambda request_no, tokens: given.__setitem__(request_no, tokens)
+    runtime = Runtime(engine, threaded_output=True)
+    jobs = [(b"x", SamplingParams(max_tokens=40, temperature=0.0)),  # "abc" then EOS
+            (b"y", SamplingParams(max_tokens=2, temperature=0.0))]
+    events, _ = run(runtime, jobs, emit_s=0.005)
+    runtime.close()
+    assert summary(events[0]) == ("abc", "stop", 4)
+    assert summary(events[1]) == ("ab", "length", 2)
+    assert given == {0: 4, 1: 2}

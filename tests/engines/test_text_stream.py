@@ -181,6 +181,17 @@ def test_a_request_cancelled_before_its_first_token_reports_no_speeds():
     assert stats.prefill_tokens_per_s == stats.decode_tokens_per_s == 0.0
 
 
+def test_tokens_sampled_at_the_same_instant_report_no_decode_speed_instead_of_failing():
+    """Two tokens stamped with one time (a coarse clock): no decode time, so no speed, and no
+    division by zero. The times given to add() are the step's, not the clock's."""
+    out = RequestOutput(ByteTokenizer(), SamplingParams(max_tokens=2), prompt_tokens=3,
+                        engine="torch", device="cpu", arrival=10.0, clock=lambda: 12.0)
+    out.add(65, 11.0) + out.add(66, 11.0)
+    _, stats = out.close()
+    assert stats.decode_tokens_per_s == 0.0 and stats.ttft_s == 1.0 and stats.total_s == 2.0
+    assert out.finish == "length" and out.closed
+
+
 # -- the tokenizer's own contract (what mutation testing found unguarded) -------------------
 
 
