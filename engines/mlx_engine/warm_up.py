@@ -22,9 +22,8 @@ _WIDE_ROWS, _WIDE_TOKENS = 8, 64
 def warm_up_batching(engine) -> float:
     """Three sequences of different lengths through the engine's own executor: one alone,
     then two joining it (one of them sampled), each leaving at its own step; then up to eight
-    prompts of 64 tokens prefilled together. Returns seconds
-    taken (nothing is run where the context or the KV pool is too small for them); raises what
-    a sequence failed with."""
+    prompts of 64 tokens prefilled together. Returns seconds taken (nothing is run where the
+    context or the KV pool is too small for them); raises what a sequence failed with."""
     started = time.perf_counter()
     if min(engine.context_length, engine.kv_pool.capacity_tokens) < _TOKENS:
         return 0.0  # a model too small to hold them: a test's
@@ -54,10 +53,10 @@ def warm_up_batching(engine) -> float:
         # Then a wider prefill at once, as a burst of clients brings: its kernels too.
         if engine.kv_pool.capacity_tokens >= rows * (_WIDE_TOKENS + 4) \
                 and engine.context_length >= _WIDE_TOKENS + 2:
+            short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
             for i in range(rows):
                 prompt = [ids[(t + i) % len(ids)] for t in range(_WIDE_TOKENS)]
-                runtime.add(Submission(prompt, SamplingParams(max_tokens=2, temperature=0.0,
-                                                              ignore_eos=True), emit))
+                runtime.add(Submission(prompt, short, emit))
             _run_out(runtime)
     finally:
         runtime.close()

@@ -129,8 +129,8 @@ class EngineLoop:
             if stepped:
                 self._step()
             if self._after is not None:
-                if stepped and self.runtime.delivery.threaded:
-                    self.runtime.delivery.post(self._after)  # after the step's events
+                if stepped:  # after the step's events, wherever the runtime delivers them
+                    self.runtime.delivery.post(self._after)
                 else:
                     self._after()
         if self.runtime is not None:
