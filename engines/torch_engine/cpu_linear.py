@@ -5,6 +5,11 @@ bfloat16 and 15 GB/s in float32 on our 2-core AVX-512 test machine; oneDNN with 
 reordered for that shape reads 35 and 34 GB/s, and a SmolLM2-135M decode step drops from
 19.2 to 15.2 ms (bfloat16). These are the ops Inductor's CPU backend emits for frozen linear
 weights (torch.ops.mkldnn); where a build lacks them, the layers stay as they are.
+
+oneDNN runs float32 on any x86 CPU, but its bfloat16 and float16 paths need instructions that
+AVX2-only CPUs lack (AVX-512 BW/VL/DQ or AVX-NE-CONVERT for bfloat16: an AMD EPYC with AVX2 only
+refused to reorder a bfloat16 weight). torch says which it can run; elsewhere those dtypes keep
+ATen's linear layers.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import torch
 from torch import nn
 
 
-def available() -> bool:
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and this CPU run oneDNN's packed linear layers in dtype."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -21,7 +27,17 @@ def available() -> bool:
         torch.ops.mkldnn._linear_pointwise
     except (AttributeError, RuntimeError):
         return False
-    return True
+    return cpu_supports(dtype)
+
+
+def cpu_supports(dtype: torch.dtype) -> bool:
+    """oneDNN's reduced-precision paths need CPU instructions of their own; float32 runs on any
+    x86 CPU."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 class PackedLinear(nn.Module):

@@ -65,8 +65,11 @@ class TorchEngine(GenerationEngine):
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
-        if onednn_linears(self.device, compile):
+        if onednn_linears(self.device, compile, torch_dtype(self.dtype)):
             log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
+        elif self.device == "cpu" and compile != "on":
+            log.info("cpu: linear layers run through ATen: this CPU lacks the instructions "
+                     "oneDNN's packed %s path needs", self.dtype)
         args = self.model.args
         per_token = PagedKV.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
                                             torch_dtype(self.dtype))
@@ -121,10 +124,10 @@ class TorchEngine(GenerationEngine):
         self.decoder = None
 
 
-def onednn_linears(device: str, compile: str) -> bool:
-    """Eager CPU only: the compiler cannot trace oneDNN's opaque weights (and with
-    --compile on, Inductor packs weights its own way)."""
-    return device == "cpu" and compile != "on" and cpu_linear.available()
+def onednn_linears(device: str, compile: str, dtype: torch.dtype) -> bool:
+    """Eager CPU only, in a dtype this CPU's oneDNN runs: the compiler cannot trace oneDNN's
+    opaque weights (and with --compile on, Inductor packs weights its own way)."""
+    return device == "cpu" and compile != "on" and cpu_linear.available(dtype)
 
 
 def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int):

@@ -41,12 +41,16 @@ def test_onednn_linears_only_for_the_eager_cpu_path(monkeypatch):
     from engines.torch_engine import cpu_linear
     from engines.torch_engine.engine import onednn_linears
 
-    monkeypatch.setattr(cpu_linear, "available", lambda: True)
-    assert onednn_linears("cpu", "auto") and onednn_linears("cpu", "off")
-    assert not onednn_linears("cpu", "on")
-    assert not onednn_linears("mps", "auto") and not onednn_linears("cuda", "auto")
-    monkeypatch.setattr(cpu_linear, "available", lambda: False)
-    assert not onednn_linears("cpu", "auto")
+    f32, bf16 = torch.float32, torch.bfloat16
+    monkeypatch.setattr(cpu_linear, "cpu_supports", lambda dtype: True)
+    assert onednn_linears("cpu", "auto", bf16) and onednn_linears("cpu", "off", f32)
+    assert not onednn_linears("cpu", "on", f32)
+    assert not onednn_linears("mps", "auto", f32) and not onednn_linears("cuda", "auto", f32)
+    # A CPU with AVX2 only: float32 still packed, bfloat16 left to ATen.
+    monkeypatch.setattr(cpu_linear, "cpu_supports", lambda dtype: dtype == f32)
+    assert onednn_linears("cpu", "auto", f32) and not onednn_linears("cpu", "auto", bf16)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not onednn_linears("cpu", "auto", f32)
 
 
 def test_dummy_model_directory_has_the_real_shape(tmp_path):

@@ -110,8 +110,13 @@ def test_paged_path_matches_transformers(tiny_dirs, family):
         torch.testing.assert_close(logits, reference(seq).logits[0, -1], atol=2e-5, rtol=1e-4)
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def onednn_runs(dtype):
+    return pytest.mark.skipif(not cpu_linear.available(dtype),
+                              reason=f"this CPU or torch has no oneDNN {dtype} path")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=onednn_runs(torch.float32)),
+                                   pytest.param(torch.bfloat16, marks=onednn_runs(torch.bfloat16))])
 def test_packed_linear_computes_what_linear_computes(dtype):
     torch.manual_seed(0)
     for bias in (False, True):
@@ -132,3 +137,39 @@ def test_packing_a_tied_head_keeps_the_embedding(tiny_dirs):
     cpu_linear.pack_linears(model)
     assert isinstance(model.lm_head, cpu_linear.PackedLinear)
     assert torch.equal(model.model.embed_tokens.weight, table)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_reduced_precision_check_says_what_onednn_does_on_this_cpu(dtype):
+    """Run on an AVX2-only CPU and on an AVX-512 one, this covers both answers: where the
+    check says yes a weight reorders, where it says no oneDNN refuses it."""
+    weight = torch.randn(64, 32).to(dtype)
+    if cpu_linear.cpu_supports(dtype):
+        cpu_linear.PackedLinear(torch.nn.Linear(32, 64).to(dtype))
+    else:
+        with pytest.raises(RuntimeError):
+            torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def test_a_bfloat16_model_serves_where_onednn_has_no_bfloat16_path(tiny_dirs, monkeypatch):
+    """The fallback forced, as on a CPU with AVX2 only: ATen's linear layers, the same tokens as
+    the model run unpacked."""
+    monkeypatch.setattr(cpu_linear, "cpu_supports", lambda dtype: dtype == torch.float32)
+    path, _ = tiny_dirs["llama"]
+    engine = TorchEngine(path, context_length=128, dtype="bfloat16", device="cpu")
+    assert not any(isinstance(m, cpu_linear.PackedLinear) for m in engine.model.modules())
+    assert engine.info.dtype == "bfloat16"
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = [e.token_id for e in engine.generate(PROMPT, params) if isinstance(e, Step)][:8]
+    model = load_model(path, torch.bfloat16, "cpu")
+    model.setup_cache(64)
+    seq, expected = torch.tensor([PROMPT]), []
+    with torch.no_grad():
+        logits = model(seq, 0)[:, -1]
+        for _ in range(8):
+            token = logits.argmax(-1, keepdim=True)
+            expected.append(int(token))
+            seq = torch.cat([seq, token], dim=1)
+            logits = model(token, seq.shape[1] - 1)[:, -1]
+    assert ids == expected
