@@ -22,10 +22,30 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # Benchmarks force a fixed number of tokens, whatever the model would say.
     ignore_eos: bool = False
+    # None: none; k >= 0: each token's log-probability and the k most likely alternatives.
+    logprobs: int | None = None
+    # What reshapes the logits before the draw (engines/processing.py says how and in what
+    # order); neutral values leave a request on the engines' fast paths.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # An llguidance grammar (engines/grammar.py): the completion is text it accepts.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model (log-softmax of its logits, before
+    temperature, top-k/top-p or any processor) and the k most likely tokens', best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 # One per token per request: slots without frozen, whose __init__ costs a sixth of a frozen
@@ -37,6 +57,7 @@ class Step:
     token_id: int
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -182,7 +203,8 @@ class Engine(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[dict],
+                            tools: Sequence[dict] | None = None) -> list[int]: ...
 
     def generate(
         self,
@@ -191,7 +213,7 @@ class Engine(Protocol):
         should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[GenerationEvent]: ...
 
-    def logits(self, prompt_ids: Sequence[int]) -> "object":
+    def logits(self, prompt_ids: Sequence[int]) -> object:
         """Next-token logits for every prompt position, as a float32 numpy array [T, vocab]."""
         ...
 

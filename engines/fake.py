@@ -18,11 +18,12 @@ from .base import (
     InputClassification,
     LabelScore,
     RequestStats,
+    TokenLogprobs,
     check_stop,
 )
 from .generation import GenerationEngine, MemoryMeter
 from .runtime.kv import BlockPool
-from .runtime.plan import StepOutput, StepPlan
+from .runtime.plan import ExecutorTraits, StepOutput, StepPlan
 
 EOS = 256
 
@@ -36,14 +37,35 @@ class ByteTokenizer:
 
     encode_prompt = encode
 
+    template_takes_tools = False
+
+    def describe(self) -> dict:
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size,
+                "eos_token_id": EOS, "eos_token_ids": [EOS], "chat_template": None}
+
     def apply_chat_template(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True
+        self, messages: Sequence[dict], add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def token_bytes(ids: Sequence[int]) -> list[bytes]:
+        return [bytes([i]) if i < 256 else b"" for i in ids]
+
+    def grammar_vocabulary(self):
+        from .grammar import byte_vocabulary
+
+        if self.__dict__.get("_grammar") is None:
+            self._grammar = byte_vocabulary([bytes([i]) for i in range(256)] + [b"<eos>"], EOS)
+        return self._grammar
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_grammar"}
 
 
 class FixedMeter(MemoryMeter):
@@ -139,17 +161,22 @@ class FakeEngine(GenerationEngine):
         pass
 
 
-class FakeExecutor:
-    chunked_prefill = True
+def fake_logprobs(token: int, k: int) -> TokenLogprobs:
+    """The scripted token is the likeliest at log(1/2); the next byte values follow, each half
+    as likely as the one before."""
+    top = tuple(((token + i) % 256, math.log(0.5 ** (i + 1))) for i in range(k))
+    return TokenLogprobs(math.log(0.5), top)
 
+
+class FakeExecutor:
     def __init__(self, engine: FakeEngine):
         self.engine = engine
-        self.threaded_output = engine.threaded_output
+        self.traits = ExecutorTraits(output_thread=engine.threaded_output)
         self._request_no: dict[int, int] = {}
         self._script: dict[int, list[int]] = {}
         self._made: dict[int, int] = {}
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def launch(self, plan: StepPlan) -> StepOutput:
         e = self.engine
         self.release(plan.released)
         for row in plan.rows:
@@ -162,7 +189,7 @@ class FakeExecutor:
         e.steps.append(len(plan.rows))
         if e.token_delay_s:
             time.sleep(e.token_delay_s)
-        out = {}
+        out, scored = {}, {}
         for row in plan.rows:
             if row.sample:
                 e.before_token(self._request_no[row.seq_id], row.draws)
@@ -171,7 +198,16 @@ class FakeExecutor:
                 e.trace.append((self._request_no[row.seq_id], token))
                 self._made[row.seq_id] = row.draws + 1
                 out[row.seq_id] = token
-        return StepOutput(out)
+                if row.sampling.logprobs is not None:
+                    scored[row.seq_id] = fake_logprobs(token, row.sampling.logprobs)
+        return StepOutput(out, scored)
+
+    @staticmethod
+    def collect(output: StepOutput) -> StepOutput:
+        return output
+
+    def close(self) -> None:
+        pass
 
     def release(self, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -49,8 +49,9 @@ class PromptSide:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode_prompt(text)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
+    def apply_chat_template(self, messages: Sequence[dict],
+                            tools: Sequence[dict] | None = None) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools=tools)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """The context rule, for every engine: prompt plus completion within the context."""

@@ -7,6 +7,43 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
+def _gpt2_byte_map() -> dict[str, int]:
+    """GPT-2's printable stand-ins for bytes (byte-level BPE vocabularies spell tokens in them),
+    character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _gpt2_byte_map()
+
+
+def piece_bytes(piece: str | None, byte_level: bool) -> bytes | None:
+    """A vocabulary entry's bytes where its spelling says them: byte-level BPE's stand-ins, or
+    SentencePiece's <0xNN> byte tokens and its ▁ for a space. None: decode the token instead."""
+    if piece is None:
+        return None
+    if byte_level:
+        if all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode()
+    return None
+
+
 class ChatTokenizer:
     def __init__(self, model_dir: str | Path):
         from transformers import AutoTokenizer
@@ -20,10 +57,23 @@ class ChatTokenizer:
         self.eos_token_ids = self._find_eos_ids(Path(model_dir))
         self.bos_token_id = self._tok.bos_token_id
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        self._byte_level: bool | None = None  # GPT-2's byte-to-character map; found on first use
 
     def __getstate__(self) -> dict:
-        # Sent to the HTTP side when the engine runs in its own process; a lock does not pickle.
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+        # Sent to the HTTP side when the engine runs in its own process; a lock does not pickle,
+        # nor llguidance's vocabulary (the engine's side builds its own).
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_grammar")}
+
+    def grammar_vocabulary(self):
+        """llguidance's view of this vocabulary (engines/grammar.py), built once, on first use."""
+        with self._lock:
+            if self.__dict__.get("_grammar") is None:
+                import llguidance.hf
+
+                eos = sorted(self.eos_token_ids)
+                self._grammar = llguidance.hf.from_tokenizer(
+                    self._tok, eos_token=eos[0] if len(eos) == 1 else eos)
+            return self._grammar
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -55,15 +105,36 @@ class ChatTokenizer:
         with self._lock:
             return list(self._tok.encode(text, add_special_tokens=True))
 
+    def describe(self) -> dict:
+        """What vLLM's /tokenizer_info tells of a tokenizer: its class, special tokens and chat
+        template."""
+        tok = self._tok
+        template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        return {"tokenizer_class": type(tok).__name__, "vocab_size": self.vocab_size,
+                "bos_token": tok.bos_token, "bos_token_id": tok.bos_token_id,
+                "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id,
+                "eos_token_ids": sorted(self.eos_token_ids), "pad_token": tok.pad_token,
+                "chat_template": template}
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (else the server writes them into
+        the conversation: server/tool_calls.py)."""
+        template = self._tok.chat_template
+        if isinstance(template, dict):  # named templates: the default one, or a tool_use one
+            return "tool_use" in template or "tools" in str(template.get("default", ""))
+        return "tools" in (template or "")
+
     def apply_chat_template(
-        self, messages: Sequence[dict], add_generation_prompt: bool = True
+        self, messages: Sequence[dict], add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions instead")
         with self._lock:
             out = self._tok.apply_chat_template(
                 list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False,
+                return_dict=False, tools=list(tools) if tools else None,
             )
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
@@ -72,6 +143,20 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes (what OpenAI's logprobs report): a token may hold part of a
+        character, which decoding it alone would turn into U+FFFD."""
+        with self._lock:
+            pieces = self._tok.convert_ids_to_tokens(list(ids))
+            if self._byte_level is None:
+                decoder = self._tok.backend_tokenizer.decoder if self._tok.is_fast else None
+                self._byte_level = decoder is not None and "ByteLevel" in repr(decoder)
+            out = []
+            for token_id, piece in zip(ids, pieces):
+                out.append(piece_bytes(piece, self._byte_level)
+                           or self._tok.decode([token_id]).encode())
+            return out
 
     def decode_stream(self) -> Callable[[int], str | None] | None:
         """A token-at-a-time decoder in Rust (tokenizers' DecodeStream: ~1.5 us a token

@@ -72,7 +72,8 @@ def main() -> int:
         runtime = Runtime(engine, max_batch=b, max_prefill_tokens=max(512, args.prompt_tokens))
         timer = Timer()
         ex = runtime.executor
-        timer.wrap(ex, "step", "executor.step")
+        timer.wrap(ex, "launch", "executor.launch")
+        timer.wrap(ex, "collect", "executor.collect (read-back)")
         if ex.decoder is not None:
             timer.wrap(ex.decoder, "run", "decoder.run (host + launch)")
         sync = torch.cuda.synchronize if engine.device.startswith("cuda") else None

@@ -28,6 +28,7 @@ from .request_guard import RequestGuard, ShutdownNotice
 from .routes import router
 from .service import GenerationService
 from .settings import Settings
+from .tokenizer_service import TokenizerService
 
 log = logging.getLogger("duet.server")
 
@@ -67,6 +68,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.metrics = metrics
     app.state.service = GenerationService(registry, observer=metrics)
     app.state.classifier = ClassificationService(registry, settings)
+    app.state.tokenizers = TokenizerService(registry, startup_model)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
     app.state.bench = BenchService(registry, settings, startup_model)

@@ -43,7 +43,7 @@ Reference = Literal["transformers", "mlx-lm"]
 
 class BenchRequest(BaseModel):
     # duet's own endpoint: a misspelt field is an error, not silently a default.
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text | None = Field(None, min_length=1, max_length=256,
                               description="default: the server's start-up model")

@@ -9,17 +9,15 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from engines.base import ClassificationResult
 
-from .protocol import EngineChoice, Text
+from .protocol import EngineChoice, Strict, Text
 from .streaming import metrics, usage
 
 
-class ClassificationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ClassificationRequest(Strict):
     model: Text = Field(min_length=1, max_length=256)
     input: Text | list[Text] = Field(description="one text, or a list of texts, to classify")
     labels: list[Text] | None = Field(

@@ -179,11 +179,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(400, message, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
         if exc.status_code == 400:  # FastAPI could not read the body at all (e.g. not UTF-8)
             message = "the request body could not be read as JSON text (is it UTF-8?)"
+        elif exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            # The router's own answer: say which route, as OpenAI's "Invalid URL (POST /v1/x)".
+            route = f"{request.method} {echo(request.url.path)}"
+            message = (f"duet has no route {route}: see GET /v1/models and docs/api.md for "
+                       "what it serves" if exc.status_code == 404 else
+                       f"{route} is not allowed here; allowed: {exc.headers.get('Allow', '?')}"
+                       if exc.headers else f"{route} is not allowed here")
         code = _STATUS_CODES.get(exc.status_code, "invalid_value")
         return APIError(exc.status_code, message, type=kind, code=code,
                         headers=exc.headers).response()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -12,9 +13,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engines.base import Engine, EngineError, RequestStats, Step, check_context
 
 from .errors import APIError, bad_request, from_engine_error
+from .choices import Choice, merged
+from .logprobs import LogprobsFormat
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from .registry import ModelRegistry
 from .streaming import DONE, ResponseShape, sse
+from .tool_calls import ToolUse
 
 log = logging.getLogger("duet.server")
 
@@ -31,41 +35,49 @@ class GenerationService:
         self.observer = observer
 
     async def chat(self, req: ChatCompletionRequest):
-        messages = req.template_messages()
-
-        def prompt(engine: Engine) -> list[int]:
+        def prompts(engine: Engine) -> list[list[int]]:
+            native = engine.tokenizer.template_takes_tools
+            messages = req.template_messages(native)
             try:
-                return engine.apply_chat_template(messages)
+                return [engine.apply_chat_template(messages,
+                                                   req.template_tools() if native else None)]
             except ValueError as exc:  # a model without a chat template
                 raise bad_request(str(exc), param="messages") from exc
             except Exception as exc:  # the template itself rejected the conversation
                 raise bad_request(f"the chat template failed: {exc}", param="messages") from exc
 
-        return await self._generate(req, prompt, "messages", chat=True, inline=False)
+        return await self._generate(req, prompts, "messages", chat=True, inline=False,
+                                    tools=req.tool_use)
 
     async def completion(self, req: CompletionRequest):
-        def prompt(engine: Engine) -> list[int]:
-            if isinstance(req.prompt, str):
-                return engine.tokenize(req.prompt)
+        def prompts(engine: Engine) -> list[list[int]]:
             vocab = engine.tokenizer.vocab_size
-            bad = [t for t in req.prompt if not 0 <= t < vocab]
-            if bad:
-                raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="prompt")
-            return list(req.prompt)
+            out = []
+            for prompt in req.prompts():
+                if isinstance(prompt, str):
+                    out.append(engine.tokenize(prompt))
+                    continue
+                bad = [t for t in prompt if not 0 <= t < vocab]
+                if bad:
+                    raise bad_request(f"token id {bad[0]} is outside the vocabulary",
+                                      param="prompt")
+                out.append(list(prompt))
+            return out
 
         # Token ids need only a range check: on the event loop, cheaper than a thread's round trip
         # (which 64 requests arriving at once would queue for). Text is encoded on a thread.
-        return await self._generate(req, prompt, "prompt", chat=False,
-                                    inline=not isinstance(req.prompt, str))
+        return await self._generate(req, prompts, "prompt", chat=False,
+                                    inline=not req.has_text_prompt())
 
     async def _generate(
         self,
         req: GenerationFields,
-        prompt_of: Callable[[Engine], list[int]],
+        prompts_of: Callable[[Engine], list[list[int]]],
         prompt_param: str,
         *,
         chat: bool,
         inline: bool,
+        tools: ToolUse | None = None,
     ):
         spec = self.registry.spec(req.model)
         if spec.task != "generate":
@@ -73,23 +85,39 @@ class GenerationService:
         try:
             worker = await self.registry.worker(spec.id, req.engine)
             engine = worker.engine
-            prompt_ids = (prompt_of(engine) if inline
-                          else await asyncio.to_thread(prompt_of, engine))
-            if not prompt_ids:
+            prompts = (prompts_of(engine) if inline
+                       else await asyncio.to_thread(prompts_of, engine))
+            if not all(prompts):
                 raise bad_request("the prompt is empty", param=prompt_param)
-            params = req.to_sampling_params(self._max_tokens(req, len(prompt_ids), engine))
+            runs = [(prompt, params) for prompt in prompts
+                    for params in req.choice_params(self._max_tokens(req, len(prompt), engine))]
+            vocab = engine.tokenizer.vocab_size
+            outside = [t for t, _ in runs[0][1].logit_bias if t >= vocab]
+            if outside:
+                raise bad_request(f"token id {outside[0]} is outside the vocabulary (of "
+                                  f"{vocab})", param="logit_bias")
         except EngineError as exc:
             raise from_engine_error(exc, prompt_param) from exc
 
-        events = self._observed(
-            worker.generate(prompt_ids, params),
-            spec.id, engine.name,
-        )
+        choices = [
+            Choice(i, self._observed(worker.generate(prompt, params), spec.id, engine.name),
+                   None if params.logprobs is None else LogprobsFormat(chat, engine.tokenizer),
+                   tools)
+            for i, (prompt, params) in enumerate(runs)]
         shape = ResponseShape(chat=chat, model=spec.id)
         if req.stream:
-            return await self._stream_response(events, shape, req.include_usage, prompt_param)
-        text, stats = await _collect(events, prompt_param)
-        return JSONResponse(shape.full(text, stats))
+            return await self._stream_response(choices, shape, req, prompt_param)
+        tasks = [asyncio.create_task(_collect(c.events, prompt_param)) for c in choices]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:  # one failed: the others leave the batch now, not at their end
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return JSONResponse(shape.full([c.whole(shape, steps, stats)
+                                        for c, (steps, stats) in zip(choices, done)],
+                                       [stats for _, stats in done], req.n))
 
     async def _observed(self, events: AsyncIterator, model: str, engine: str) -> AsyncIterator:
         try:
@@ -111,36 +139,38 @@ class GenerationService:
         check_context(prompt_tokens, asked, context)
         return asked
 
-    async def _stream_response(
-        self, events: AsyncIterator, shape: ResponseShape, include_usage: bool, prompt_param: str
-    ) -> StreamingResponse:
-        # Wait for the first event so a failure before any token is an HTTP error, not a 200.
+    async def _stream_response(self, choices: list[Choice], shape: ResponseShape,
+                               req: GenerationFields, prompt_param: str) -> StreamingResponse:
+        # Wait for each choice's first event so a failure before any token is an HTTP error,
+        # not a 200.
         try:
-            first = await anext(events)
-        except EngineError as exc:
-            raise from_engine_error(exc, prompt_param) from exc
-        except APIError:
-            raise
-        except Exception as exc:
+            firsts = [await anext(c.events) for c in choices]
+        except BaseException as exc:
+            await _close(choices)
+            if isinstance(exc, EngineError):
+                raise from_engine_error(exc, prompt_param) from exc
+            if isinstance(exc, APIError) or not isinstance(exc, Exception):
+                raise
             log.exception("generation failed before its first token")
             raise APIError(500, f"generation failed: {exc}", type="server_error") from exc
+        include_usage = req.include_usage
 
         async def body() -> AsyncIterator[str]:
+            stats: dict[int, RequestStats] = {}
             try:
                 if shape.chat:
-                    yield sse(shape.chunk(first=True, include_usage=include_usage))
-                batch: list = first
-                while True:
-                    # A batch holds what arrived since the last look: one chunk carries it all.
-                    text = "".join(e.text for e in batch if isinstance(e, Step))
-                    if text:
-                        yield shape.text_event(text, include_usage)
-                    if isinstance(batch[-1], RequestStats):
-                        yield sse(shape.chunk(stats=batch[-1], include_usage=include_usage))
-                        if include_usage:
-                            yield sse(shape.usage_chunk(batch[-1]))
-                        break
-                    batch = await anext(events)
+                    for c in choices:
+                        yield sse(shape.chunk(first=True, include_usage=include_usage,
+                                              index=c.index))
+                # A batch holds what arrived since the last look: one chunk carries it all.
+                async with aclosing(merged(choices, firsts)) as arriving:
+                    async for choice, batch in arriving:
+                        for event in choice.chunks(shape, batch, include_usage):
+                            yield event
+                        if isinstance(batch[-1], RequestStats):
+                            stats[choice.index] = batch[-1]
+                if include_usage:
+                    yield sse(shape.usage_chunk([stats[c.index] for c in choices], req.n))
             except APIError as exc:  # e.g. the time limit
                 log.warning("stream ended early: %s", exc.message)
                 yield sse(shape.error_event(exc.message, exc.type, exc.code))
@@ -148,21 +178,28 @@ class GenerationService:
                 log.exception("generation failed mid-stream")
                 yield sse(shape.error_event(f"generation failed: {exc}"))
             finally:
-                await events.aclose()
+                await _close(choices)
             yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _collect(events: AsyncIterator, prompt_param: str) -> tuple[str, RequestStats]:
-    parts: list[str] = []
+async def _close(choices: list[Choice]) -> None:
+    """Every choice's generation ends: a finished one's close is a no-op, an unfinished one
+    leaves the batch at the engine's next step."""
+    for choice in choices:
+        await choice.events.aclose()
+
+
+async def _collect(events: AsyncIterator, prompt_param: str) -> tuple[list[Step], RequestStats]:
+    steps: list[Step] = []
     try:
         async for batch in events:
             for event in batch:
                 if isinstance(event, Step):
-                    parts.append(event.text)
+                    steps.append(event)
                 else:
-                    return "".join(parts), event
+                    return steps, event
     except EngineError as exc:
         raise from_engine_error(exc, prompt_param) from exc
     except APIError:

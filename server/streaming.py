@@ -19,12 +19,14 @@ DONE = sse("[DONE]")
 _SLOT = "\u0001"  # where a chunk's text goes: JSON escapes it, no model id or text field holds it
 
 
-def usage(stats: RequestStats) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-    }
+def usage(stats: RequestStats | list[RequestStats], n: int = 1) -> dict:
+    """Every choice's completion tokens; each prompt's tokens once, however many of its `n`
+    choices there are (choices come prompt-major: every n-th is a new prompt's first)."""
+    every = stats if isinstance(stats, list) else [stats]
+    prompt = sum(s.prompt_tokens for s in every[::n])
+    completion = sum(s.completion_tokens for s in every)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 def metrics(stats: RequestStats) -> dict:
@@ -41,9 +43,11 @@ def metrics(stats: RequestStats) -> dict:
     }
 
 
-def finish_reason(stats: RequestStats) -> str:
+def finish_reason(stats: RequestStats, called: bool = False) -> str:
     # A cancelled request has no reader; report it as OpenAI's closest reason.
-    return "length" if stats.finish_reason == "cancelled" else stats.finish_reason
+    if stats.finish_reason == "cancelled":
+        return "length"
+    return "tool_calls" if called and stats.finish_reason == "stop" else stats.finish_reason
 
 
 @dataclass
@@ -56,7 +60,7 @@ class ResponseShape:
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self._text_events: dict[bool, tuple[str, str]] = {}
+        self._text_events: dict[tuple[bool, int], tuple[str, str]] = {}
 
     def _base(self, chunk: bool) -> dict:
         if self.chat:
@@ -65,27 +69,44 @@ class ResponseShape:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, stats: RequestStats) -> dict:
+    def choice(self, index: int, text: str | None, stats: RequestStats,
+               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message: dict = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": index, "message": message}
         else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason(stats))
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(stats, bool(tool_calls)))
+        return choice
+
+    def full(self, choices: list[dict], stats: list[RequestStats], n: int = 1) -> dict:
+        """The whole response. Its metrics are the first choice's (each choice is a sequence of
+        its own in the batch; they ran together)."""
         return {
-            **self._base(False), "choices": [choice], "usage": usage(stats),
-            "metrics": metrics(stats),
+            **self._base(False), "choices": choices, "usage": usage(stats, n),
+            "metrics": metrics(stats[0]),
         }
 
     def chunk(self, text: str | None = None, *, first: bool = False, stats: RequestStats | None = None,
-              include_usage: bool = False) -> dict:
+              include_usage: bool = False, logprobs: dict | None = None,
+              tool_calls: list[dict] | None = None, called: bool = False,
+              index: int = 0) -> dict:
+        """index: the choice's; tool_calls: calls this chunk carries (OpenAI's delta entries,
+        each with its own index); called: the choice made calls (its last chunk's finish_reason
+        says so)."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish_reason(stats) if stats else None)
+            choice = {"index": index, "text": text or ""}
+        choice.update(logprobs=logprobs,
+                      finish_reason=finish_reason(stats, called) if stats else None)
         out = {**self._base(True), "choices": [choice]}
         if include_usage:
             out["usage"] = None  # as OpenAI does: only the trailing chunk carries usage
@@ -93,19 +114,22 @@ class ResponseShape:
             out["metrics"] = metrics(stats)
         return out
 
-    def text_event(self, text: str, include_usage: bool = False) -> str:
-        """sse(self.chunk(text, include_usage=...)), the same bytes, from a template made once
-        per response: a busy stream sends thousands of these a second, and only the text
-        changes between them."""
-        template = self._text_events.get(include_usage)
+    def text_event(self, text: str, include_usage: bool = False, index: int = 0) -> str:
+        """sse(self.chunk(text, include_usage=..., index=...)), the same bytes, from a template
+        made once per response and choice: a busy stream sends thousands of these a second,
+        and only the text changes between them."""
+        key = (include_usage, index)
+        template = self._text_events.get(key)
         if template is None:
-            whole = json.dumps(self.chunk(_SLOT, include_usage=include_usage), ensure_ascii=False)
+            whole = json.dumps(self.chunk(_SLOT, include_usage=include_usage, index=index),
+                               ensure_ascii=False)
             before, _, after = whole.partition(json.dumps(_SLOT))
-            template = self._text_events[include_usage] = ("data: " + before, after + "\n\n")
+            template = self._text_events[key] = ("data: " + before, after + "\n\n")
         return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
 
-    def usage_chunk(self, stats: RequestStats) -> dict:
-        return {**self._base(True), "choices": [], "usage": usage(stats), "metrics": metrics(stats)}
+    def usage_chunk(self, stats: list[RequestStats], n: int = 1) -> dict:
+        return {**self._base(True), "choices": [], "usage": usage(stats, n),
+                "metrics": metrics(stats[0])}
 
     @staticmethod
     def error_event(message: str, type_: str = "server_error", code: str | None = None) -> dict:

@@ -2,7 +2,7 @@
 batched KV cache, prefills new prompts in chunks between decode steps, and advances the whole
 batch one token per next().
 
-It takes each prompt whole (chunked_prefill = False) and answers a sequence's first token a
+It takes each prompt whole (its traits say it answers late) and answers a sequence's first token a
 step or more after it joined; the runtime keeps a token of KV room ahead for it. The generator
 prefills every prompt it holds by prefill_step_size tokens a step: that size is set each step
 to max_prefill_tokens shared by the prompts being prefilled, so a step prefills about that many
@@ -15,17 +15,16 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ..runtime.plan import ScheduledSeq, StepOutput, StepPlan
-from .sampling import make_sampler
+from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
+from .sampling import make_processor, make_sampler, token_logprobs
 
 log = logging.getLogger("duet.engines.mlx")
 
 
 class MLXExecutor:
-    chunked_prefill = False
     # mlx-cuda's step is bound by the host (its Python and kernel launches): the runtime's own
     # per-token work (detokenizing, stop strings, events) runs on a thread beside it.
-    threaded_output = True
+    traits = ExecutorTraits(answers_late=True, output_thread=True)
     # Prompts that arrive while the generator runs are gathered (until a step brings none, for
     # at most gather_s) and inserted together: each insert is a prefill of its own and a merge
     # into the running batch, and on an H200 16 prompts joining one a step ran at 0.53x the
@@ -56,13 +55,15 @@ class MLXExecutor:
         self._prefilling: set[int] = set()  # inserted, first token not answered yet
         self._uid: dict[int, int] = {}  # seq id -> the generator's uid
         self._seq: dict[int, int] = {}
+        self._logprobs: dict[int, int] = {}  # seq id -> k, for rows that asked for them
         self._held: list[ScheduledSeq] = []  # prompts waiting to join together
         self._held_since = 0.0
         self._last_new = 0.0
         self._widest_gap = 0.0  # between two arrivals of the prompts held (a debug log's)
         self._group = max_batch
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def launch(self, plan: StepPlan) -> StepOutput:
+        """The whole step: MLX's own lazy evaluation already overlaps the host and the device."""
         self.release(plan.released)
         new = [row for row in plan.prefill if row.seq_id not in self._uid]
         now = time.perf_counter()
@@ -86,14 +87,26 @@ class MLXExecutor:
                                               self._budget // len(self._prefilling))
         _, generated = self._gen.next()
         tokens = {}
+        scored = {}
         for r in generated:
             seq_id = self._seq.get(r.uid)
             if seq_id is not None:
                 tokens[seq_id] = int(r.token)
+                k = self._logprobs.get(seq_id)
+                if k is not None:
+                    scored[seq_id] = token_logprobs(r.logprobs, tokens[seq_id], k)
                 self._prefilling.discard(seq_id)
                 if r.finish_reason is not None:  # the generator dropped it already
-                    del self._uid[seq_id], self._seq[r.uid]
-        return StepOutput(tokens)
+                    self._forget(seq_id)
+        return StepOutput(tokens, scored)
+
+    @staticmethod
+    def collect(output: StepOutput) -> StepOutput:
+        return output
+
+    def _forget(self, seq_id: int) -> None:
+        del self._seq[self._uid.pop(seq_id)]
+        self._logprobs.pop(seq_id, None)
 
     def _joins(self, newcomers: bool, now: float) -> bool:
         """Whether the gathered prompts join now. A running generator takes them at the first
@@ -118,9 +131,15 @@ class MLXExecutor:
             # row: 0.53x mlx-lm's speed at 32 greedy rows on an H200).
             samplers=[None if row.sampling.greedy else make_sampler(row.sampling, row.draws)
                       for row in rows],
+            logits_processors=[
+                [] if row.sampling.processing is None
+                else [make_processor(row.sampling.processing, len(row.history[0]))]
+                for row in rows],
         )
         for row, uid in zip(rows, uids):
             self._uid[row.seq_id], self._seq[uid] = uid, row.seq_id
+            if row.sampling.logprobs is not None:
+                self._logprobs[row.seq_id] = row.sampling.logprobs
         self._prefilling.update(row.seq_id for row in rows)
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -128,9 +147,10 @@ class MLXExecutor:
             gone = set(seq_ids)
             self._held = [row for row in self._held if row.seq_id not in gone]
         self._prefilling.difference_update(seq_ids)
-        uids = [self._uid.pop(s) for s in seq_ids if s in self._uid]
-        for uid in uids:
-            del self._seq[uid]
+        uids = [self._uid[s] for s in seq_ids if s in self._uid]
+        for seq_id in seq_ids:
+            if seq_id in self._uid:
+                self._forget(seq_id)
         if uids:
             self._gen.remove(uids)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..base import FinishReason, RequestStats, SamplingParams, Step
+from ..base import FinishReason, RequestStats, SamplingParams, Step, TokenLogprobs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 
 
@@ -44,9 +44,10 @@ class RequestOutput:
         (an end-of-sequence id, max_tokens): what the step's thread decides on its own."""
         return token_id in self.eos or n >= self.max_tokens
 
-    def add(self, token_id: int, now: float | None = None) -> list[Step]:
-        """The step's token (sampled at `now`); [] when it only ended the generation (an
-        end-of-sequence id)."""
+    def add(self, token_id: int, now: float | None = None,
+            logprobs: TokenLogprobs | None = None) -> list[Step]:
+        """The step's token (sampled at `now`, with its log-probabilities when they were asked
+        for); [] when it only ended the generation (an end-of-sequence id)."""
         if now is None:
             now = self.clock()
         self.n += 1
@@ -57,7 +58,7 @@ class RequestOutput:
         if token_id in self.eos:
             self.finish = "stop"
             return []
-        step = Step(token_id, self._stops.feed(self._detok.add(token_id)))
+        step = Step(token_id, self._stops.feed(self._detok.add(token_id)), None, logprobs)
         if self._stops.stopped:
             self.finish = "stop"
         elif self.n >= self.max_tokens:

@@ -3,15 +3,17 @@
 Each step the scheduler hands the executor a StepPlan: sequences whose prompt (or a chunk of
 it) is to be prefilled, sequences that decode one token, and sequences that left since the last
 step (their state may be dropped). The executor runs them at once and answers with the token
-sampled for every sequence that was due one."""
+sampled for every sequence that was due one, and for a row that asked for them, the token's
+log-probability and the most likely alternatives."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..base import SamplingParams
+from ..base import SamplingParams, TokenLogprobs
+from ..processing import Processing
 
 
 @dataclass(frozen=True)
@@ -24,14 +26,21 @@ class RowSampling:
     top_k: int
     top_p: float
     seed: int
+    # None: no log-probabilities; k >= 0: the sampled token's and the k most likely tokens'.
+    logprobs: int | None = None
+    min_p: float = 0.0
+    # None, or how the row's logits are reshaped from its history before the draw.
+    processing: Processing | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     @classmethod
-    def of(cls, params: SamplingParams, seed: int) -> RowSampling:
-        return cls(params.temperature, params.top_k, params.top_p, seed)
+    def of(cls, params: SamplingParams, seed: int,
+           processing: Processing | None = None) -> RowSampling:
+        return cls(params.temperature, params.top_k, params.top_p, seed, params.logprobs,
+                   params.min_p, processing)
 
 
 # A decode row's token when the step that sampled it has not been read back yet (a pipelined
@@ -50,6 +59,9 @@ class ScheduledSeq:
     sample: bool  # whether a token is due after these (the prompt's last chunk, a decode)
     sampling: RowSampling
     draws: int  # tokens sampled for this sequence so far
+    # A row with processing: its prompt and the tokens sampled so far (the scheduler's own
+    # lists, read-only). None for every other row.
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def end(self) -> int:
@@ -73,27 +85,48 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepOutput:
     tokens: dict[int, int]  # seq id -> the token sampled for it this step
+    # Only rows whose sampling asked for them: most steps carry none, and build nothing.
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecutorTraits:
+    """How an executor runs steps, as far as the runtime must know."""
+
+    # Takes each prompt whole and prefills it on its own terms, answering a sequence's first
+    # token a step or more after it joined (mlx-lm's BatchGenerator); it runs its whole batch
+    # every step, sequences awaiting a token included. Otherwise prompts come in chunks within
+    # the step's budget and every row due a token gets it from that step.
+    answers_late: bool = False
+    # launch() queues a step on the device and collect() reads it back later, so the runtime
+    # plans and launches step N+1 before it handles step N's tokens: the host's work overlaps
+    # the device's. Its decode rows may carry PENDING.
+    pipelined: bool = False
+    # The runtime delivers the requests' output (text, stop strings, events) on a thread of its
+    # own, beside the next step: for an executor whose step is bound by the host and lets go of
+    # the GIL while the device works (mlx-cuda).
+    output_thread: bool = False
 
 
 class StepExecutor(Protocol):
     """Runs steps for one scheduler. An engine makes one per scheduler (the server's loop, a
     one-off generation); they share the engine's weights and KV storage."""
 
-    # Whether a prompt may be fed in several steps. An executor that prefills on its own terms
-    # (mlx-lm's BatchGenerator) takes each prompt whole and may answer a few steps later.
-    chunked_prefill: bool
+    traits: ExecutorTraits
 
-    def step(self, plan: StepPlan) -> StepOutput: ...
+    def launch(self, plan: StepPlan) -> object:
+        """Start the step; its handle goes to collect(). Only a pipelined executor returns
+        before the step's tokens exist."""
+        ...
 
-    # A pipelined executor launches a step and reads it back later (launch(), collect()), so
-    # the runtime plans and launches step N+1 before it handles step N's tokens: the host's
-    # work overlaps the device's. Its decode rows may carry PENDING.
-    pipelined: bool
-
-    # Whether the runtime delivers the requests' output (text, stop strings, events) on a
-    # thread of its own, beside the next step (optional; False when absent).
-    threaded_output: bool
+    def collect(self, handle: object) -> StepOutput: ...
 
     def release(self, seq_ids: Sequence[int]) -> None:
         """Drop these sequences' state now (a failed step, or the executor's end)."""
         ...
+
+    def close(self) -> None: ...
+
+
+def run_step(executor: StepExecutor, plan: StepPlan) -> StepOutput:
+    return executor.collect(executor.launch(plan))

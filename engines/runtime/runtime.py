@@ -13,7 +13,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..base import Cancelled, SamplingParams, StopCheck
+from ..base import Cancelled, SamplingParams, StopCheck, TokenLogprobs
+from ..grammar import GrammarState
+from ..processing import Processing
 from .delivery import Delivery
 from .output import RequestOutput
 from .plan import RowSampling, StepPlan
@@ -52,12 +54,14 @@ class Runtime:
         engine's executor asks)."""
         self.engine = engine
         self.executor = engine.executor()
-        self.pipelined = getattr(self.executor, "pipelined", False)
+        traits = self.executor.traits
+        self.pipelined = traits.pipelined
+        self.answers_late = traits.answers_late
         self.scheduler = Scheduler(
             engine.kv_pool,
             max_batch=max_batch or engine.max_batch,
             max_prefill_tokens=max_prefill_tokens or engine.max_prefill_tokens,
-            chunked_prefill=self.executor.chunked_prefill,
+            chunked_prefill=not traits.answers_late,
             pipelined=self.pipelined,
         )
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
@@ -66,8 +70,7 @@ class Runtime:
         self._meter = getattr(engine, "meter", None)
         self.last_batch = 0
         # Off the step's thread for an executor that asks for it (MLX): see delivery.py.
-        threaded = getattr(self.executor, "threaded_output", False) if threaded_output is None \
-            else threaded_output
+        threaded = traits.output_thread if threaded_output is None else threaded_output
         self.delivery = Delivery(f"{engine.name}-output" if threaded else None)
         # Ended by their text (a stop string), seen on the delivery thread: they leave the
         # batch at the next step.
@@ -87,12 +90,23 @@ class Runtime:
         self.engine.check_fits(len(sub.prompt_ids), sub.params.max_tokens)
         seed = sub.params.seed if sub.params.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._ids), list(sub.prompt_ids), sub.params,
-                       RowSampling.of(sub.params, seed), arrival=sub.arrival)
+                       RowSampling.of(sub.params, seed, self._processing(sub.params)),
+                       arrival=sub.arrival)
         out = RequestOutput(self.engine.tokenizer, sub.params, prompt_tokens=len(sub.prompt_ids),
                             engine=self.engine.name, device=self.engine.device,
                             arrival=sub.arrival)
         self.scheduler.add(seq)
         self._live[seq.seq_id] = _Live(sub, seq, out)
+
+    def _processing(self, params: SamplingParams) -> Processing | None:
+        """The request's logits processing, its grammar's matcher made here (the matcher then
+        lives with the request)."""
+        grammar = None
+        if params.grammar is not None:
+            tokenizer = self.engine.tokenizer
+            grammar = GrammarState(params.grammar, tokenizer.grammar_vocabulary(),
+                                   frozenset() if params.ignore_eos else tokenizer.eos_token_ids)
+        return Processing.of(params, grammar)
 
     def step(self) -> None:
         """One step: drop what was stopped, run the plan, hand every request its events.
@@ -115,21 +129,22 @@ class Runtime:
         if self._meter is not None:
             self._meter.reset()
         started = time.perf_counter()
-        if self.pipelined:
-            last, self._launched = self._launched, None
-            if plan:
-                try:
-                    self._launched = (plan, self.executor.launch(plan))
-                except Exception as exc:
-                    self._fail(plan, exc)
-        else:
-            last = (plan, None)  # run and read back now
+        last, self._launched = self._launched, None
+        if plan or not self.pipelined:  # an executor that answers late runs without a plan too
+            try:
+                launched = (plan, self.executor.launch(plan))
+            except Exception as exc:
+                self._fail(plan, exc)
+                launched = None
+            if self.pipelined:
+                self._launched = launched
+            else:
+                last = launched  # read back now
         executed = time.perf_counter()
         if last is not None:
             done, handle = last
             try:
-                output = (self.executor.collect(handle) if self.pipelined
-                          else self.executor.step(done))
+                output = self.executor.collect(handle)
             except Exception as exc:
                 self._fail(done, exc)
                 return
@@ -150,11 +165,12 @@ class Runtime:
                 live.out.peak_memory_bytes = max(live.out.peak_memory_bytes, peak)
         batch = []
         ended = []
+        logprobs = output.logprobs
         for seq, token in sampled:
             live = self._live.get(seq.seq_id)
             if live is None:
                 continue
-            batch.append((live, token))
+            batch.append((live, token, logprobs.get(seq.seq_id) if logprobs else None))
             if live.out.ends(token, len(seq.generated)):
                 ended.append(live)
         for live in ended:
@@ -162,16 +178,16 @@ class Runtime:
         if batch:
             self.delivery.post(self._deliver, batch, now)
 
-    def _deliver(self, batch: list[tuple[_Live, int]], now: float) -> None:
+    def _deliver(self, batch: list[tuple[_Live, int, TokenLogprobs | None]], now: float) -> None:
         """On the delivery's thread: each token's text and events; a request whose text ended
         it (a stop string) is closed here and leaves the batch at the next step. Tokens of a
         request already closed (a step it ran after its stop string) are dropped."""
-        for live, token in batch:
+        for live, token, logprobs in batch:
             out = live.out
             if out.closed:
                 continue
             try:
-                for event in out.add(token, now):
+                for event in out.add(token, now, logprobs):
                     live.sub.emit(event)
                 if out.done:
                     self._close(live)
@@ -238,7 +254,7 @@ class Runtime:
         answers late (MLX) runs its whole batch each step, sequences awaiting a token included,
         which no plan carries: they fail with it instead of waiting for good."""
         ids = [row.seq_id for row in plan.rows]
-        if not self.executor.chunked_prefill:
+        if self.answers_late:
             carried = set(ids)
             ids += [seq.seq_id for seq in self.scheduler.running if seq.seq_id not in carried]
         log.error("a step of %d sequences failed: %s", len(ids), exc)

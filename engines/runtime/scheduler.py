@@ -18,7 +18,8 @@ Rules:
 - A pipelined executor runs a step before the host has read the last one's tokens: a sequence
   then has a token in flight, which its next decode row feeds as PENDING (the executor takes it
   from the device), and it is not scheduled past max_tokens. A sequence is never re-admitted
-  with a token in flight.
+  with a token in flight. A sequence whose logits are processed from its history (penalties)
+  waits for its token instead: it runs every other step of a pipelined executor.
 """
 
 from __future__ import annotations
@@ -121,9 +122,12 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             pending = seq.length - seq.computed
-            if seq.inflight and (seq.at_limit or not self.pipelined):
-                # Its last token is in flight (it ends once that is read), or the executor
-                # answers late and has not answered yet.
+            processing = seq.sampling.processing
+            if seq.inflight and (seq.at_limit or not self.pipelined
+                                 or (processing is not None and processing.needs_history)):
+                # Its last token is in flight (it ends once that is read), the executor
+                # answers late and has not answered yet, or its logits are processed from its
+                # history, which must hold that token first.
                 i += 1
                 continue
             n = 1 if pending == 1 else self._chunk(pending, budget)
@@ -210,4 +214,5 @@ class Scheduler:
             seq_id=seq.seq_id, tokens=seq.feed(start, n), start=start, blocks=tuple(seq.blocks),
             sample=start + n == seq.length, sampling=seq.sampling,
             draws=len(seq.generated) + seq.inflight,
+            history=None if seq.sampling.processing is None else (seq.prompt, seq.generated),
         )

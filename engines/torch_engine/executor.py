@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..runtime.plan import ScheduledSeq, StepOutput, StepPlan
+from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
-from .sampling import sample_rows
+from .sampling import process_rows, sample_rows, token_logprobs
 
 
 def prefill_attention(device: str):
@@ -30,8 +30,6 @@ def prefill_attention(device: str):
 
 
 class TorchExecutor:
-    chunked_prefill = True
-
     def __init__(self, model, kv: PagedKV, device: str, decoder=None):
         self.model, self.kv, self.device = model, kv, device
         self.window = model.args.sliding_window
@@ -39,12 +37,10 @@ class TorchExecutor:
         # With graphs the step is pipelined: launched before the last one is read back, its
         # decode rows' PENDING tokens taken on the device from the last step's picks.
         self.pipelined = decoder is not None
+        self.traits = ExecutorTraits(pipelined=self.pipelined)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._readback = ReadBack(device)
-
-    def step(self, plan: StepPlan) -> StepOutput:
-        return self.collect(self.launch(plan))
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
@@ -65,24 +61,32 @@ class TorchExecutor:
                     greedy.append(picks if picks is None or whole else picks[keep])
                     due += [rows[i] for i in keep]
             if not due:
-                return (), None
+                return (), None, None
             if self.on_logits is not None:
                 self.on_logits(due, torch.cat(logits))
-            if all(r.sampling.greedy for r in due):
+            processed = any(r.sampling.processing is not None for r in due)
+            if all(r.sampling.greedy for r in due) and not processed:
                 tokens = torch.cat([torch.argmax(x, dim=-1) if g is None else g
                                     for x, g in zip(logits, greedy)])
-            else:
-                tokens = sample_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
+                whole = None
+            else:  # the graphs' greedy picks were made before any processing: picked anew
+                whole = process_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
+                tokens = sample_rows(whole, due)
             ids = tuple(r.seq_id for r in due)
             if self.pipelined:  # where the next step's PENDING rows find their tokens
                 self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
-            return ids, self._readback.start(tokens)
+            scored = None
+            if any(r.sampling.logprobs is not None for r in due):
+                whole = whole if whole is not None else torch.cat(logits)
+                scored = token_logprobs(whole, tokens, due)
+            return ids, self._readback.start(tokens), scored
 
     def collect(self, handle) -> StepOutput:
-        ids, pending = handle
+        ids, pending, scored = handle
         if not ids:
             return StepOutput({})
-        return StepOutput(dict(zip(ids, self._readback.finish(pending))))
+        tokens = dict(zip(ids, self._readback.finish(pending)))
+        return StepOutput(tokens, scored.read() if scored is not None else {})
 
     def _forward(self, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
         batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
@@ -91,6 +95,9 @@ class TorchExecutor:
 
     def release(self, seq_ids) -> None:
         pass  # a row carries all its state: nothing is kept between steps
+
+    def close(self) -> None:
+        self._last = None
 
 
 class ReadBack:

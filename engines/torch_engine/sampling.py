@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..base import TokenLogprobs
 from ..runtime.plan import ScheduledSeq
 
 ARGMAX_CHUNK = 1024
@@ -50,10 +51,37 @@ def row_uniforms(seeds: torch.Tensor, draws: torch.Tensor, width: int) -> torch.
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def process_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """The logits [B, V] with each row's processing applied (engines/processing.py): a float32
+    copy when any row has some, else the logits themselves."""
+    todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
+    if not todo:
+        return logits
+    x = logits.float().clone()
+    device = x.device
+    for i in todo:
+        processing = rows[i].sampling.processing
+        prompt, generated = rows[i].history
+        seen = processing.repeated(prompt, generated)
+        if seen:
+            ids = torch.tensor(seen, device=device)
+            values = x[i, ids]
+            penalty = processing.repetition_penalty
+            x[i, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        added = processing.additions(generated)
+        if added:
+            x[i].index_add_(0, torch.tensor(list(added), device=device),
+                            torch.tensor(list(added.values()), device=device))
+        if processing.grammar is not None:
+            allowed = torch.from_numpy(processing.grammar.allowed(generated, x.shape[-1]))
+            x[i].masked_fill_(~allowed.to(device), float("-inf"))
+    return x
+
+
 def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
     """One token per row of logits [B, V], each row by its own settings: temperature first,
-    then top_k, then top_p over what top_k kept; greedy rows take the argmax. Stays on the
-    device (no host round trip to pick a token)."""
+    then min_p, then top_k, then top_p over what top_k kept; greedy rows take the argmax.
+    Stays on the device (no host round trip to pick a token)."""
     greedy = torch.argmax(logits, dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
     if not sampled:
@@ -64,6 +92,10 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Ten
     v = logits.shape[-1]
     x = logits.index_select(0, pick).float()
     x = x / torch.tensor([[s.temperature] for s in settings], device=device)
+    if any(s.min_p > 0.0 for s in settings):
+        # log(0) = -inf: a row without min_p keeps every token.
+        floor = torch.log(torch.tensor([[s.min_p] for s in settings], device=device))
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     ks = [s.top_k if 0 < s.top_k < v else 0 for s in settings]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
@@ -88,3 +120,35 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Ten
     # token with probability p, and needs no multinomial (no sync, no cumulative search).
     noise = -torch.log(row_uniforms(seeds, draws, v))
     return greedy.index_copy(0, pick, torch.argmax(probs / noise, dim=-1))
+
+
+class ScoredRows:
+    """The log-probabilities of a step's rows that asked for them, still on the device: read()
+    brings them to the host when the step is collected."""
+
+    def __init__(self, seq_ids: list[int], chosen: torch.Tensor, top_values: torch.Tensor,
+                 top_ids: torch.Tensor, ks: list[int]):
+        self.seq_ids, self.chosen, self.top_values, self.top_ids, self.ks = (
+            seq_ids, chosen, top_values, top_ids, ks)
+
+    def read(self) -> dict[int, TokenLogprobs]:
+        chosen = self.chosen.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        return {
+            seq_id: TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], values[i][:k])))
+            for i, (seq_id, k) in enumerate(zip(self.seq_ids, self.ks))
+        }
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   rows: Sequence[ScheduledSeq]) -> ScoredRows:
+    """For each row whose sampling asks for log-probabilities: the log-softmax of its logits
+    (the model's distribution, before temperature and the other filters) at the token it got,
+    and its k most likely tokens."""
+    asked = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
+    pick = torch.tensor(asked, device=logits.device)
+    scores = torch.log_softmax(logits.index_select(0, pick).float(), dim=-1)
+    chosen = scores.gather(1, tokens.index_select(0, pick).view(-1, 1)).view(-1)
+    ks = [rows[i].sampling.logprobs for i in asked]
+    top = torch.topk(scores, max(1, max(ks)), dim=-1)
+    return ScoredRows([rows[i].seq_id for i in asked], chosen, top.values, top.indices, ks)

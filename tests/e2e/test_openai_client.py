@@ -1,8 +1,13 @@
 """End to end: the official openai client against a live duet on loopback, real default model,
 both engines."""
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from engines.config import load_models_file
 from engines.sources import resolve_model_dir
@@ -102,3 +107,189 @@ def test_errors_through_the_client(client):
     assert info.value.body["param"] == "top_p"
     models = client.models.list()
     assert MODEL in [m.id for m in models.data]
+
+
+def test_chat_logprobs_spell_the_answer_on_both_engines(client):
+    """Each token's bytes make the message; greedy picks the likeliest token; the two engines
+    score the same answer alike."""
+    scored = {}
+    for engine in ENGINES:
+        resp = chat(client, engine, max_tokens=12, logprobs=True, top_logprobs=3)
+        choice = resp.choices[0]
+        content = choice.logprobs.content
+        assert b"".join(bytes(t.bytes) for t in content).decode() == choice.message.content
+        for t in content:
+            assert t.logprob <= 0 and len(t.top_logprobs) == 3
+            assert t.top_logprobs[0].token == t.token
+            assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6)
+        scored[engine] = [(t.token, t.logprob) for t in content]
+    assert [t for t, _ in scored["torch"]] == [t for t, _ in scored["mlx"]]
+    for (_, a), (_, b) in zip(scored["torch"], scored["mlx"]):
+        assert a == pytest.approx(b, abs=0.05)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_completion_logprobs_through_the_client(client, engine):
+    resp = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=5, temperature=0, logprobs=2,
+                                     extra_body={"engine": engine})
+    lp = resp.choices[0].logprobs
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == 5
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_logit_bias_and_penalties_steer_the_default_model(client, engine, hf_tokenizer):
+    """A +100 bias makes a token the whole answer; a frequency penalty breaks a pattern that
+    greedy decoding repeats."""
+    token = hf_tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = chat(client, engine, max_tokens=4, logit_bias={str(token): 100})
+    assert forced.choices[0].message.content == hf_tokenizer.decode([token] * 4)
+    prompt = "1, 1, 1, 1, 1, 1, 1, 1,"
+    runs = {}
+    for penalty in (0.0, 2.0):
+        resp = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16,
+                                         frequency_penalty=penalty,
+                                         extra_body={"engine": engine, "ignore_eos": True})
+        runs[penalty] = resp.choices[0].text
+    assert runs[0.0].count("1") >= 4, runs  # greedy repeats the pattern
+    assert runs[2.0].count("1") <= 2, runs  # penalized, it leaves it
+
+
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population_millions: float
+    landmarks: list[str] = Field(max_length=3)
+    kind: Literal["capital", "other"]
+    nickname: str | None = None
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_structured_output_parses_into_the_clients_model(client, engine):
+    """The openai client's parse() sends a strict json_schema (nested, array, enum, optional);
+    the 135M model's answer always parses and validates, while a plain request runs beside."""
+    plain = chat(client, engine, max_tokens=20).choices[0].message.content
+
+    def structured():
+        return client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+            temperature=0, max_tokens=200, response_format=City, extra_body={"engine": engine})
+
+    with ThreadPoolExecutor(2) as pool:
+        parsed = pool.submit(structured)
+        beside = pool.submit(chat, client, engine, max_tokens=20)
+        city = parsed.result().choices[0].message.parsed
+        assert beside.result().choices[0].message.content == plain
+    assert isinstance(city, City) and city.kind in ("capital", "other")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_json_object_mode_gives_a_json_object(client, engine):
+    resp = chat(client, engine, max_tokens=120, response_format={"type": "json_object"})
+    value = json.loads(resp.choices[0].message.content)
+    assert isinstance(value, dict)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_forced_tool_calls_have_valid_arguments_and_stream_the_same(client):
+    """On the torch engine: MLX's CPU backend prefills the tools' prompt at a few tokens a
+    second on an AVX2-only machine (tests/engines/test_grammar.py forces calls on both)."""
+    import jsonschema
+
+    engine = "torch"
+
+    def ask(choice, stream=False):
+        return client.chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice=choice, temperature=0, max_tokens=80, stream=stream,
+            extra_body={"engine": engine})
+
+    for choice, name in (("required", None), ({"type": "function",
+                                               "function": {"name": "get_time"}}, "get_time")):
+        resp = ask(choice)
+        out = resp.choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.tool_calls
+        for call in out.message.tool_calls:
+            tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments),
+                                tool["function"]["parameters"])
+            assert name is None or call.function.name == name
+    # The last one again, streamed (greedy: the same completion).
+    streamed, finish = {}, None
+    for chunk in ask(choice, stream=True):
+        if not chunk.choices:
+            continue
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [streamed[i] for i in sorted(streamed)] == [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in out.message.tool_calls]
+
+
+def test_a_tool_result_goes_back_and_the_model_answers(client):
+    engine = "torch"  # the conversation's rendering is the server's, the same for both
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
+        temperature=0, max_tokens=80, extra_body={"engine": engine})
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK_WEATHER + [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=16,
+        extra_body={"engine": engine})
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+
+
+def test_tokenizer_endpoints_use_the_models_tokenizer(server, hf_tokenizer):
+    import httpx
+
+    text = "The capital of France is Paris."
+    got = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert got["tokens"] == hf_tokenizer.encode(text) and got["max_model_len"] == 2048
+    back = httpx.post(server.url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back["prompt"] == text
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == hf_tokenizer.eos_token and info["chat_template"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_n_seeded_siblings_differ_and_repeat(client, engine):
+    def ask():
+        resp = client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, seed=5,
+                                              temperature=1.0, max_tokens=8,
+                                              extra_body={"engine": engine})
+        return [c.message.content for c in sorted(resp.choices, key=lambda c: c.index)]
+
+    first = ask()
+    assert len(set(first)) > 1 and ask() == first
+
+
+def test_lists_of_token_id_prompts_as_lm_eval_sends_them(client, hf_tokenizer):
+    prompts = [hf_tokenizer.encode("The capital of France is"), hf_tokenizer.encode("1, 2, 3,")]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0)
+    alone = [client.completions.create(model=MODEL, prompt=[p], max_tokens=4,
+                                       temperature=0).choices[0].text for p in prompts]
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == alone

@@ -265,21 +265,20 @@ def test_a_failed_step_of_a_late_answering_executor_fails_every_sequence_awaitin
     runs its whole batch each step: when a step raises, the sequences awaiting a token (which
     that plan does not carry) fail too, instead of waiting for an answer that never comes."""
     from engines.fake import FakeEngine, FakeExecutor
-    from engines.runtime.plan import StepOutput
+    from engines.runtime.plan import ExecutorTraits, StepOutput
 
     class Late(FakeExecutor):
-        chunked_prefill = False
-
         def __init__(self, engine):
             super().__init__(engine)
+            self.traits = ExecutorTraits(answers_late=True)
             self.held: dict[int, int] = {}
             self.steps = 0
 
-        def step(self, plan):
+        def launch(self, plan):
             self.steps += 1
             if self.steps == 4:
                 raise RuntimeError("the device went away")
-            answered, self.held = self.held, dict(super().step(plan).tokens)
+            answered, self.held = self.held, dict(super().launch(plan).tokens)
             return StepOutput(answered)
 
     engine = FakeEngine(reply="x" * 30, max_batch=4)

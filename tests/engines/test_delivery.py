@@ -186,11 +186,11 @@ def test_a_failure_delivering_one_request_ends_that_request_only(caplog):
     calls = [0]
     add = broken.add
 
-    def flaky(token, now=None):
+    def flaky(token, now=None, logprobs=None):
         calls[0] += 1
         if calls[0] == 5:
             raise UnicodeError("a bad token")
-        return add(token, now)
+        return add(token, now, logprobs)
 
     broken.add = flaky
     with caplog.at_level(logging.ERROR, logger="duet.runtime"):

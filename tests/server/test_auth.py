@@ -3,7 +3,7 @@
 import pytest
 
 from server.cli import main
-from tests.server.test_api import CHAT, assert_openai_error
+from tests.server.helpers import CHAT, assert_openai_error
 
 
 def bearer(key):

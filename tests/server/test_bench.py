@@ -14,7 +14,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import assert_openai_error, sse_events
+from tests.server.helpers import assert_openai_error, sse_events
 
 BENCH = {"model": "tiny", "max_tokens": 8, "repeats": 2, "warmup": 1}
 N_SHORT = len(bench_core.PRESETS["short"])

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engines.fake import FakeEngine
-from tests.server.test_api import CHAT, assert_openai_error
+from tests.server.helpers import CHAT, assert_openai_error
 
 ZS = {"model": "tiny", "input": "I love this", "labels": ["love", "hate"]}
 

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.settings import Settings
-from tests.server.test_api import assert_openai_error
+from tests.server.helpers import assert_openai_error
 
 WORDS = "the film was great awful boring fun and i loved hated it plot acting".split()
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}

@@ -100,6 +100,26 @@ async def test_concurrent_requests_get_what_they_get_in_process(threaded_output)
     assert [r[0] for r in results[True]] == [p[::-1][:10 + 3 * i] for i, p in enumerate(prompts)]
 
 
+async def test_log_probabilities_and_a_grammar_cross_the_process_boundary():
+    """The grammar goes to the child as text and its matcher is made there; each token's
+    log-probabilities come back with it."""
+    from engines.base import Step
+    from engines.fake import fake_logprobs
+    from engines.grammar import json_schema_grammar
+
+    worker = EngineWorker("child", process=True)
+    await worker.load(echo())
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2,
+                                grammar=json_schema_grammar({"type": "object"}))
+        steps = []
+        async for batch in worker.generate(worker.engine.tokenize("abc"), params):
+            steps += [e for e in batch if isinstance(e, Step) and e.finish_reason is None]
+        assert [s.logprobs for s in steps] == [fake_logprobs(t, 2) for t in b"cba"]
+    finally:
+        assert await worker.aclose(10)
+
+
 async def test_the_batch_and_kv_use_show_while_requests_run():
     worker = await started(echo(token_delay_s=0.01), max_queue=8)
     try:
@@ -238,7 +258,7 @@ def test_the_http_api_through_an_engine_process(make_client):
     classification, /health with the child's batch and KV pool; a killed child is loaded anew on
     the next request; closing the app leaves no engine process behind."""
     from tests.server.conftest import FakeFactory
-    from tests.server.test_api import CHAT, REPLY, sse_events
+    from tests.server.helpers import CHAT, REPLY, sse_events
 
     with make_client(FakeFactory(token_delay_s=0.002, max_batch=4), engine_process="on") as client:
         body = client.post("/v1/chat/completions", json=CHAT).json()

@@ -14,7 +14,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import CHAT, assert_openai_error
+from tests.server.helpers import CHAT, assert_openai_error
 
 BIG = {"model": "tiny", "input": [f"text number {i}" for i in range(50)],
        "labels": ["good", "bad", "neutral"]}

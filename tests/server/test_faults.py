@@ -17,7 +17,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import free_port
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import assert_error_shape, assert_openai_error, sse_events
+from tests.server.helpers import assert_error_shape, assert_openai_error, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
 

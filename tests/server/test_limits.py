@@ -12,7 +12,7 @@ from server.protocol import MAX_MESSAGES
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import CHAT, assert_error_shape, assert_openai_error, sse_events
+from tests.server.helpers import CHAT, assert_error_shape, assert_openai_error, sse_events
 
 
 def test_a_body_over_the_limit_is_413(make_client):
@@ -36,19 +36,8 @@ def test_the_default_body_limit_is_one_mib(client):
 
 
 @pytest.mark.parametrize("path, patch, param", [
-    ("/v1/chat/completions", {"n": 2}, "n"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
-    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"function_call": {"name": "f"}}, "function_call"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy"}}, "audio"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -56,15 +45,29 @@ def test_the_default_body_limit_is_one_mib(client):
     ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
     ("/v1/completions", {"echo": True}, "echo"),
 ])
 def test_unimplemented_parameters_are_400_naming_them(client, path, patch, param):
     base = CHAT if path == "/v1/chat/completions" else {"model": "tiny", "prompt": "Hi"}
     resp = client.post(path, json={**base, **patch})
-    code = "invalid_value" if param == "n" else "unsupported_parameter"
-    err = assert_openai_error(resp, 400, param=param, code=code)
+    err = assert_openai_error(resp, 400, param=param, code="unsupported_parameter")
     assert param in err["message"]
+
+
+@pytest.mark.parametrize("path, patch, param", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
+])
+def test_log_probability_and_choice_counts_out_of_range_are_400(client, path, patch, param):
+    base = CHAT if path == "/v1/chat/completions" else {"model": "tiny", "prompt": "Hi"}
+    resp = client.post(path, json={**base, **patch})
+    assert_openai_error(resp, 400, param=param, code="invalid_value")
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(client):

@@ -9,7 +9,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import CHAT
+from tests.server.helpers import CHAT
 
 
 def scrape(client, **kw) -> dict:

@@ -10,7 +10,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.live_server import LiveServer
 from tests.server.conftest import FakeFactory
-from tests.server.test_api import assert_error_shape
+from tests.server.helpers import assert_error_shape
 
 
 def test_concurrent_requests_run_in_order_without_mixing(models_file):

@@ -17,7 +17,8 @@ json_values = st.recursive(
 )
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "engine", "echo",
-          "logprobs", "tools", "tool_choice", "response_format", "frequency_penalty", "best_of",
+          "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "frequency_penalty",
+          "logit_bias", "min_p", "repetition_penalty", "parallel_tool_calls", "best_of",
           "suffix", "user"]
 BASES = {
     ChatCompletionRequest: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
@@ -31,7 +32,7 @@ def check_sound(req) -> None:
     assert 0.0 <= params.temperature <= 2.0 and 0.0 < params.top_p <= 1.0 and params.top_k >= 0
     assert len(params.stop) <= MAX_STOP and all(params.stop)
     assert params.seed is None or 0 <= params.seed < 2**64
-    assert req.n == 1
+    assert 1 <= req.n <= 128 and len(req.choice_params(7)) == req.n
 
 
 @pytest.mark.parametrize("model", list(BASES))
@@ -71,7 +72,7 @@ def test_valid_requests_are_accepted_and_kept(temperature, top_p, top_k, seed, s
     assert (params.temperature, params.top_p, params.top_k) == (temperature, top_p, top_k)
     assert params.stop == tuple(stop) and req.requested_max_tokens() == max_tokens
     assert params.seed == (None if seed is None else seed % 2**64)
-    assert req.template_messages() == [{"role": "user", "content": content}]
+    assert req.template_messages(True) == [{"role": "user", "content": content}]
     check_sound(req)
 
 

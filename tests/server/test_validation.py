@@ -6,7 +6,7 @@ import json
 import pytest
 
 from server.errors import ECHO_CHARS
-from tests.server.test_api import CHAT, assert_openai_error
+from tests.server.helpers import CHAT, assert_openai_error
 
 LONE = "caf\ud800e"
 
@@ -89,3 +89,74 @@ def test_classification_limits_name_their_setting(make_client):
                                                   json={"model": "tiny", **body}),
                                       400, param=param, code="classification_limit_exceeded")
             assert setting in err["message"]
+
+
+@pytest.mark.parametrize("path, patch, param", [
+    ("/v1/chat/completions", {"max_tokens": "10"}, "max_tokens"),
+    ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"seed": 1.5}, "seed"),
+    ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
+    ("/v1/completions", {"logprobs": "2"}, "logprobs"),
+    ("/v1/completions", {"prompt": [1, "2"]}, "prompt"),
+    ("/v1/classifications", {"calibrate": "no"}, "calibrate"),
+])
+def test_fields_are_type_checked_as_strictly_as_openai_does(client, path, patch, param):
+    """No coercion: a number sent as a string, a boolean as a number, are refused naming the
+    field (lax parsing took "10" as 10 and true as 1)."""
+    base = {"/v1/chat/completions": CHAT, "/v1/completions": {"model": "tiny", "prompt": "Hi"},
+            "/v1/classifications": {"model": "tiny", "input": "x", "labels": ["a", "b"]}}[path]
+    resp = client.post(path, json={**base, **patch})
+    err = assert_openai_error(resp, 400, code="invalid_value")
+    assert param in (err["param"] or "") + err["message"]
+
+
+def test_integral_floats_and_ints_for_floats_are_still_numbers(client):
+    resp = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "top_p": 1,
+                                                     "max_tokens": 4})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/no-such-thing"), ("GET", "/v2/models"),
+                                          ("DELETE", "/v1/chat/completions")])
+def test_an_unknown_route_or_method_names_what_was_asked(client, method, path):
+    resp = client.request(method, path)
+    err = assert_openai_error(resp, 404 if method != "DELETE" else 405)
+    assert f"{method} {path}" in err["message"]
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"300": 1}}, "logit_bias"),  # the fake engine's vocabulary is 257 tokens
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+])
+def test_sampling_controls_out_of_range_are_400_naming_them(client, patch, param):
+    err = assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, **patch}), 400,
+                              code="invalid_value")
+    assert param in (err["param"] or "") + err["message"]
+
+
+def test_sampling_controls_in_range_are_accepted(client):
+    resp = client.post("/v1/chat/completions", json={
+        **CHAT, "logit_bias": {"72": 5, "10": -100}, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_p": 0.05})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}, "if"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "name"),
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "xml"}, "type"),
+])
+def test_a_response_format_that_cannot_be_followed_is_400_naming_why(client, fmt, words):
+    err = assert_openai_error(client.post("/v1/chat/completions",
+                                          json={**CHAT, "response_format": fmt}), 400,
+                              code="invalid_value")
+    assert "response_format" in (err["param"] or "")
+    assert words in (err["param"] or "") + err["message"]

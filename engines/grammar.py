@@ -1,0 +1,114 @@
+"""Constrained decoding: a request's grammar (from a JSON schema, through llguidance) becomes a
+mask of the tokens that may come next, one row at a time.
+
+llguidance was measured against xgrammar and outlines-core on the default model's vocabulary
+(docs/benchmarks.md, "Grammar libraries"). Its grammars are plain strings, so a request's
+grammar crosses the engine process's pipe as text; the engine's tokenizer builds llguidance's
+view of its vocabulary on the first request that needs it (1.2 s for the default model's 49k
+tokens on a 2-core machine: that request's start, and its batch's steps, wait for it once) and
+a matcher per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("duet.engines.grammar")
+
+
+# JSON laid out as json.dumps does, and nowhere else whitespace: with llguidance's flexible
+# whitespace a small model may spend its tokens on blanks between two keys (a random-weight one
+# did, to max_tokens); these separators are what models see most.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """The schema or grammar cannot be used: its message names what is wrong."""
+
+
+def json_schema_grammar(schema: dict[str, Any] | None) -> str:
+    """The grammar of JSON text matching `schema` (None: any JSON object). Raises GrammarError
+    naming what llguidance does not implement (a keyword, a format)."""
+    from llguidance import LLMatcher
+
+    return _checked(lambda: LLMatcher.grammar_from_json_schema(
+        schema if schema is not None else {"type": "object"}, defaults=JSON_LAYOUT))
+
+
+def lark_grammar(lark: str) -> str:
+    """llguidance's grammar of a Lark text (which may inline JSON schemas with %json)."""
+    from llguidance import LLMatcher
+
+    return _checked(lambda: LLMatcher.grammar_from_lark(lark))
+
+
+def _checked(make) -> str:
+    """make()'s grammar, validated: GrammarError with llguidance's message when it is not."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = make()
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise GrammarError(messages[0])
+    return grammar
+
+
+def byte_vocabulary(tokens: Sequence[bytes], eos_token_id: int):
+    """llguidance's view of a vocabulary given as each token's bytes (a tokenizer without a
+    Hugging Face file: the fake engine's)."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    class Spelled:
+        bos_token_id = None
+
+        def __init__(self):
+            self.eos_token_id = eos_token_id
+            self.special_token_ids = [eos_token_id]
+            self.tokens = list(tokens)
+
+        def __call__(self, text: bytes) -> list[int]:
+            return list(text)
+
+    return LLTokenizer(TokenizerWrapper(Spelled()))
+
+
+class GrammarState:
+    """One request's place in its grammar. allowed() first takes in the tokens sampled since
+    it was last asked (so it follows the sequence however the engine reports them), then says
+    which tokens may come next."""
+
+    def __init__(self, grammar: str, vocabulary, eos_token_ids: frozenset[int]):
+        """vocabulary: the engine tokenizer's llguidance view (its grammar_vocabulary())."""
+        from llguidance import LLMatcher
+
+        self._matcher = LLMatcher(vocabulary, grammar)
+        self._vocab = vocabulary.vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._consumed = 0
+        if self._matcher.is_error():
+            raise GrammarError(self._matcher.get_error())
+
+    def allowed(self, generated: Sequence[int], vocab: int) -> np.ndarray:
+        """A bool mask [vocab] of the tokens that may follow `generated` (every token sampled so
+        far). Past the tokenizer's vocabulary (a padded embedding) nothing is allowed. A matcher
+        gone wrong (it should not: every token came through its mask) allows only the end, so
+        the request ends there and the batch goes on."""
+        for token in generated[self._consumed:]:
+            self._matcher.consume_token(token)
+        self._consumed = len(generated)
+        mask = np.zeros(vocab, dtype=bool)
+        if self._matcher.is_error():
+            log.warning("a grammar ended its request early: %s", self._matcher.get_error())
+            mask[[t for t in self._eos if t < vocab]] = True
+            return mask
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: min(self._vocab, vocab)]
+        mask[: len(allowed)] = allowed.astype(bool)
+        return mask

@@ -1,0 +1,47 @@
+"""What the engine tests of batched generation share: prompts, an engine of either kind on a
+tiny checkpoint, and a runtime driven over a batch whose requests arrive at given steps."""
+
+import pytest
+
+from engines.base import Step
+from engines.runtime.runtime import Runtime, Submission
+from engines.torch_engine import TorchEngine
+
+PROMPTS = [[5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200], [9, 8], [100, 101, 102, 103, 104]]
+
+
+def make_engine(kind, path):
+    if kind == "mlx":
+        pytest.importorskip("mlx_lm")
+        from engines.mlx_engine import MLXEngine
+
+        return MLXEngine(path, context_length=96, dtype="float32")
+    return TorchEngine(path, context_length=96, dtype="float32", device="cpu")
+
+
+def run_batch(engine, params, join_at, prompts=None):
+    """Every request's Steps (the closing one left out), arriving at the given steps; request i
+    has prompts[i] (default PROMPTS[i])."""
+    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=64, threaded_output=False)
+    steps = {i: [] for i in range(len(params))}
+    done = set()
+
+    def emit_for(i):
+        def emit(event):
+            if isinstance(event, BaseException):
+                raise event
+            if not isinstance(event, Step):
+                done.add(i)
+            elif event.finish_reason is None:
+                steps[i].append(event)
+        return emit
+
+    n = 0
+    while len(done) < len(params):
+        for i, p in enumerate(params):
+            if join_at[i] == n:
+                runtime.add(Submission(list((prompts or PROMPTS)[i]), p, emit_for(i)))
+        runtime.step()
+        n += 1
+        assert n < 500
+    return [steps[i] for i in range(len(params))]

@@ -1,0 +1,84 @@
+"""Constrained decoding on both engines, with tiny random models (whose free text is noise):
+every completion under a JSON schema parses and validates, greedy or sampled, and a row with a
+grammar beside rows without one leaves each with the tokens it gets alone."""
+
+import json
+
+import jsonschema
+import pytest
+
+from engines.base import SamplingParams
+from engines.grammar import GrammarError, json_schema_grammar
+from tests.engines.helpers import PROMPTS, make_engine, run_batch
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["a", "bc"]},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+        "inner": {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
+                  "required": ["n"], "additionalProperties": False},
+    },
+    "required": ["ok", "kind", "inner"],
+    "additionalProperties": False,
+}
+
+
+def constrained(**kw):
+    return SamplingParams(max_tokens=80, grammar=json_schema_grammar(SCHEMA), **kw)
+
+
+def text_of(engine, steps):
+    return engine.tokenizer.decode([s.token_id for s in steps])
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_completions_under_a_schema_parse_and_validate_inside_a_batch(tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    rows = [constrained(temperature=0.0),
+            SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+            constrained(temperature=1.0, seed=5)]
+    got = run_batch(engine, rows, join_at=[0, 1, 1])
+    for i in (0, 2):
+        jsonschema.validate(json.loads(text_of(engine, got[i])), SCHEMA)
+    # Each row gets what it gets alone: the grammar's matcher is the row's own.
+    for i, params in enumerate(rows):
+        alone = run_batch(engine, [params], join_at=[0], prompts=[PROMPTS[i]])[0]
+        assert [s.token_id for s in got[i]] == [s.token_id for s in alone], i
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_any_json_object_mode_gives_an_object(tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    params = SamplingParams(max_tokens=60, temperature=0.0,
+                            grammar=json_schema_grammar({"type": "object", "maxProperties": 1,
+                                                         "additionalProperties": {"type": "null"}}))
+    got = run_batch(engine, [params], join_at=[0])[0]
+    assert isinstance(json.loads(text_of(engine, got)), dict)
+
+
+def test_a_schema_llguidance_cannot_follow_names_what_it_lacks():
+    with pytest.raises(GrammarError, match="if"):
+        json_schema_grammar({"type": "object", "if": {"properties": {}}})
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_forced_tool_call_names_a_tool_with_valid_arguments(tiny_dirs, kind):
+    from server.tool_calls import Tool, call_grammar, parse_calls
+
+    tools = (Tool("pick", None, {"type": "object", "properties": {"n": {"enum": [1, 2]}},
+                                 "required": ["n"], "additionalProperties": False}),
+             Tool("flag", None, {"type": "object", "properties": {"on": {"type": "boolean"}},
+                                 "required": ["on"], "additionalProperties": False}))
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    # One call each: the tiny engines' context (96 tokens, a token a byte) holds one.
+    rows = [SamplingParams(max_tokens=70, temperature=t, seed=2,
+                           grammar=call_grammar(tools, parallel=False)) for t in (0.0, 1.0)]
+    for steps in run_batch(engine, rows, join_at=[0, 0]):
+        text = text_of(engine, steps)
+        rest, calls = parse_calls(text, {"pick", "flag"})
+        assert calls and rest is None, text
+        for call in calls:
+            schema = next(t.parameters for t in tools if t.name == call["function"]["name"])
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schema)

@@ -1,0 +1,80 @@
+"""Logits processing on both engines (logit_bias, repetition, presence and frequency penalties)
+and min_p: each row's greedy token and reported log-probabilities are what a plain reference
+of the rule computes from the engine's own logits, inside a batch beside rows without any,
+which keep their own tokens."""
+
+import numpy as np
+import pytest
+
+from engines.base import SamplingParams
+from tests.engines.helpers import PROMPTS, make_engine, run_batch
+
+
+def greedy(**extra):
+    return SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0, **extra)
+
+
+def reference(engine, prompt, generated, params):
+    """log-softmax of the processed logits that produced each generated token, by the rule
+    written out plainly: repetition penalty on the raw logits, then bias and penalties added."""
+    logits = np.asarray(engine.logits(list(prompt) + list(generated)), dtype=np.float64)
+    rows = []
+    for i in range(len(generated)):
+        x = logits[len(prompt) - 1 + i].copy()
+        before = list(generated[:i])
+        if params.repetition_penalty != 1.0:
+            for t in set(prompt) | set(before):
+                x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+        for t, b in params.logit_bias:
+            x[t] += b
+        for t in set(before):
+            x[t] -= params.presence_penalty + params.frequency_penalty * before.count(t)
+        rows.append(x - np.logaddexp.reduce(x))
+    return rows
+
+
+CASES = {
+    "repetition": greedy(repetition_penalty=1.8),
+    "presence": greedy(presence_penalty=1.5),
+    "frequency": greedy(frequency_penalty=0.7),
+    "all": greedy(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.9,
+                  logit_bias=((3, 2.5), (40, -1.0))),
+}
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_processed_rows_follow_the_rule_beside_plain_rows(tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    unprocessed = [[s.token_id for s in row]
+                   for row in run_batch(engine, [greedy()] * 3, join_at=[0, 1, 2])]
+    for name, params in CASES.items():
+        got = run_batch(engine, [params, greedy(), greedy()], join_at=[0, 1, 2])
+        # The rows beside keep their own tokens.
+        assert [[s.token_id for s in row] for row in got[1:]] == unprocessed[1:], name
+        assert [s.token_id for s in got[0]] != unprocessed[0], name  # the rule changed it
+        tokens = [s.token_id for s in got[0]]
+        rows = reference(engine, PROMPTS[0], tokens, params)
+        for step, row in zip(got[0], rows):
+            assert step.token_id == int(np.argmax(row)), name
+            assert step.logprobs.logprob == pytest.approx(row[step.token_id], abs=1e-4), name
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_large_bias_forces_a_token_and_a_ban_removes_one(tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    forced = run_batch(engine, [greedy(logit_bias=((17, 100.0),))], join_at=[0])[0]
+    assert [s.token_id for s in forced] == [17] * 10
+    free = [s.token_id for s in run_batch(engine, [greedy()], join_at=[0])[0]]
+    banned = run_batch(engine, [greedy(logit_bias=((free[0], -100.0),))], join_at=[0])[0]
+    assert free[0] not in [s.token_id for s in banned]
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_min_p_of_one_keeps_only_the_likeliest_token(tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    sampled = SamplingParams(max_tokens=10, temperature=1.5, seed=3, ignore_eos=True, min_p=1.0)
+    hot = SamplingParams(max_tokens=10, temperature=1.5, seed=3, ignore_eos=True)
+    got = run_batch(engine, [sampled, hot, greedy()], join_at=[0, 0, 0])
+    likeliest = [s.token_id for s in run_batch(engine, [greedy()], join_at=[0])[0]]
+    assert [s.token_id for s in got[0]] == likeliest
+    assert [s.token_id for s in got[1]] != likeliest  # without it, this seed strays

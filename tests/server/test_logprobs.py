@@ -1,0 +1,79 @@
+"""Log-probabilities in OpenAI's shapes over the fake engine (its token is the likeliest at
+log 1/2, the next byte values half as likely each): chat's content entries, the legacy
+completions lists, and streamed chunks that reassemble to the whole response's."""
+
+import math
+
+from tests.server.helpers import CHAT, REPLY, sse_events
+
+HALF = math.log(0.5)
+
+
+def test_chat_logprobs_name_every_token_with_its_bytes_and_alternatives(client):
+    body = client.post("/v1/chat/completions",
+                       json={**CHAT, "logprobs": True, "top_logprobs": 2}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    raw = REPLY.encode()
+    assert [bytes(e["bytes"]) for e in content] == [bytes([b]) for b in raw]
+    assert len(content) == body["usage"]["completion_tokens"] - 1  # the end token is not text
+    first = content[0]
+    assert first["token"] == "H" and first["logprob"] == HALF
+    assert first["top_logprobs"] == [
+        {"token": "H", "logprob": HALF, "bytes": [72]},
+        {"token": "I", "logprob": math.log(0.25), "bytes": [73]},
+    ]
+    # A byte of a character alone: its text is U+FFFD, its bytes exact.
+    cut = next(e for e in content if e["bytes"][0] >= 0x80)
+    assert cut["token"] == "\ufffd"
+
+
+def test_logprobs_false_or_absent_give_null(client):
+    for extra in ({}, {"logprobs": False}):
+        body = client.post("/v1/chat/completions", json={**CHAT, **extra}).json()
+        assert body["choices"][0]["logprobs"] is None
+
+
+def test_top_logprobs_zero_gives_the_chosen_tokens_only(client):
+    body = client.post("/v1/chat/completions",
+                       json={**CHAT, "logprobs": True, "top_logprobs": 0}).json()
+    assert all(e["top_logprobs"] == [] for e in body["choices"][0]["logprobs"]["content"])
+
+
+def test_completions_logprobs_are_parallel_lists_with_offsets(client):
+    body = client.post("/v1/completions",
+                       json={"model": "tiny", "prompt": "Hi", "logprobs": 1}).json()
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert "".join(lp["tokens"][:27]) == REPLY[:27]  # the ASCII part, token by token
+    assert lp["token_logprobs"] == [HALF] * len(lp["tokens"])
+    assert lp["text_offset"][:3] == [0, 1, 2]
+    # The k likeliest and the chosen token: here the chosen one is the likeliest.
+    assert lp["top_logprobs"][0] == {"H": HALF}
+
+
+def test_streamed_chat_logprobs_reassemble_to_the_whole_responses(client):
+    ask = {**CHAT, "logprobs": True, "top_logprobs": 3}
+    whole = client.post("/v1/chat/completions", json=ask).json()
+    events = sse_events(client.post("/v1/chat/completions", json={**ask, "stream": True}).text)
+    streamed = []
+    for event in events[:-1]:
+        lp = event["choices"][0]["logprobs"]
+        if lp is not None:
+            streamed += lp["content"]
+    assert streamed == whole["choices"][0]["logprobs"]["content"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == REPLY
+
+
+def test_streamed_completions_logprobs_keep_counting_offsets(client):
+    ask = {"model": "tiny", "prompt": "Hi", "logprobs": 0}
+    whole = client.post("/v1/completions", json=ask).json()["choices"][0]["logprobs"]
+    events = sse_events(client.post("/v1/completions", json={**ask, "stream": True}).text)
+    offsets, tokens = [], []
+    for event in events[:-1]:
+        lp = event["choices"][0]["logprobs"]
+        if lp is not None:
+            offsets += lp["text_offset"]
+            tokens += lp["tokens"]
+    assert tokens == whole["tokens"] and offsets == whole["text_offset"]
