@@ -24,6 +24,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: none; k >= 0: each token's log-probability and the k most likely alternatives.
     logprobs: int | None = None
+    # The same for the prompt's tokens (completions' echo; lm-eval's loglikelihood).
+    prompt_logprobs: int | None = None
     # What reshapes the logits before the draw (engines/processing.py says how and in what
     # order); neutral values leave a request on the engines' fast paths.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -58,6 +60,9 @@ class Step:
     text: str
     finish_reason: FinishReason | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # On a request's first Step, when it asked for its prompt's: one per prompt token, None for
+    # the first (nothing comes before it to score it).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from engines.base import RequestStats, Step
 
-from .logprobs import LogprobsFormat
+from .logprobs import LogprobsFormat, joined
 from .streaming import ResponseShape, sse
 from .tool_calls import CallHolder, ToolUse, parse_calls
 
@@ -24,6 +24,9 @@ class Choice:
     events: AsyncIterator
     scores: LogprobsFormat | None = None
     tools: ToolUse | None = None
+    # completions' echo: the prompt's text and ids, which come first in the choice's text (and,
+    # with logprobs, its scores first in its logprobs)
+    echo: tuple[str, list[int]] | None = None
     holder: CallHolder | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -38,19 +41,37 @@ class Choice:
             text, calls = parse_calls(text, {t.name for t in self.tools.tools})
             if text is None and not calls:
                 text = ""
-        return shape.choice(self.index, text, stats, self.scores.of(steps) if self.scores else None,
-                            calls)
+        echoed = self._echo(steps)
+        logprobs = self.scores.of(steps) if self.scores else None
+        if echoed is not None:
+            text = echoed[0] + text
+            logprobs = joined(echoed[1], logprobs)
+        return shape.choice(self.index, text, stats, logprobs, calls)
+
+    def _echo(self, steps: list[Step]) -> tuple[str, dict | None] | None:
+        """The echoed prompt's text and logprobs, once: from the choice's first Step (which
+        carries the prompt's scores when they were asked for)."""
+        if self.echo is None or not steps:
+            return None
+        (text, ids), self.echo = self.echo, None
+        scores = steps[0].prompt_logprobs
+        if self.scores is None or scores is None:
+            return text, None
+        return text, self.scores.of_prompt(ids, scores)
 
     def chunks(self, shape: ResponseShape, batch: list, include_usage: bool) -> list[str]:
         """The SSE events of a batch of this choice's events; the last carries its
         finish_reason when the batch ends with the stats."""
         out = []
         steps = [e for e in batch if isinstance(e, Step)]
+        echoed = self._echo(steps)
         text = "".join(e.text for e in steps)
         if self.holder is not None:  # a call's text is held until it is whole
             text = self.holder.feed(text)
+        if echoed is not None:
+            text = echoed[0] + text
         if self.scores is not None:  # every token's scores, its text shown or held back
-            logprobs = self.scores.of(steps)
+            logprobs = joined(echoed[1] if echoed else None, self.scores.of(steps))
             if text or logprobs:
                 out.append(sse(shape.chunk(text, include_usage=include_usage, logprobs=logprobs,
                                            index=self.index)))

@@ -46,6 +46,27 @@ class LogprobsFormat:
             "text_offset": offsets,
         }
 
+    def of_prompt(self, ids: Sequence[int], scores: Sequence) -> dict:
+        """The legacy lists for an echoed prompt: its first token unscored (null), as OpenAI
+        gives it; the offsets run on into the completion's."""
+        spelled = dict(zip(ids, self.tokenizer.token_bytes(list(ids))))
+        tops = [t for s in scores if s is not None for t, _ in s.top]
+        spelled.update(zip(tops, self.tokenizer.token_bytes(tops)))
+        tokens, offsets = [], []
+        for token in ids:
+            text = _text(spelled[token])
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if s is None else s.logprob for s in scores],
+            "top_logprobs": [None if s is None else
+                             {**{_text(spelled[t]): lp for t, lp in s.top}, tokens[i]: s.logprob}
+                             for i, s in enumerate(scores)],
+            "text_offset": offsets,
+        }
+
     @staticmethod
     def _chat_entry(step: Step, spelled: dict[int, bytes]) -> dict:
         def entry(token: int, logprob: float) -> dict:
@@ -59,3 +80,10 @@ class LogprobsFormat:
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
+
+
+def joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two pieces of the legacy lists, one after the other."""
+    if first is None or then is None:
+        return first or then
+    return {key: first[key] + then[key] for key in first}

@@ -430,11 +430,27 @@ def tool_use(tools: list[ToolDef], choice, parallel: bool) -> ToolUse | None:
 class CompletionRequest(GenerationFields):
     # A text, texts, a prompt's token ids, or several prompts' token ids (lm-eval sends these).
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    # With echo, 0 asks for the prompt's scores alone (lm-eval's loglikelihood).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS_COMPLETION)
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        params = super().to_sampling_params(max_tokens)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
+
+    @model_validator(mode="after")
+    def _nothing_asked(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError(
+                "invalid_value", "{name} may be 0 only with echo (to score the prompt)",
+                {"name": "max_tokens"})
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -457,7 +473,6 @@ class CompletionRequest(GenerationFields):
         **GenerationFields.UNSUPPORTED,
         "best_of": lambda v: v == 1,
         "suffix": lambda v: v == "",
-        "echo": lambda v: v is False,
     }
 
     @field_validator("prompt")

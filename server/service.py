@@ -99,10 +99,15 @@ class GenerationService:
         except EngineError as exc:
             raise from_engine_error(exc, prompt_param) from exc
 
+        echoes = [None] * len(runs)
+        if isinstance(req, CompletionRequest) and req.echo:
+            texts = [p if isinstance(p, str) else engine.tokenizer.decode(p)
+                     for p in req.prompts()]
+            echoes = [(texts[i // req.n], prompt) for i, (prompt, _) in enumerate(runs)]
         choices = [
             Choice(i, self._observed(worker.generate(prompt, params), spec.id, engine.name),
                    None if params.logprobs is None else LogprobsFormat(chat, engine.tokenizer),
-                   tools)
+                   tools, echoes[i])
             for i, (prompt, params) in enumerate(runs)]
         shape = ResponseShape(chat=chat, model=spec.id)
         if req.stream:

@@ -34,6 +34,9 @@ class RequestOutput:
         self.closed = False  # close() has run: its events are out
         self.peak_memory_bytes = 0
         self.kv_cache_bytes = 0
+        # The prompt's scores by position, when asked for: they ride on the first Step out.
+        self.prompt_scores: dict[int, TokenLogprobs] | None = (
+            {} if params.prompt_logprobs is not None else None)
 
     @property
     def done(self) -> bool:
@@ -42,7 +45,7 @@ class RequestOutput:
     def ends(self, token_id: int, n: int) -> bool:
         """Whether the n-th token, token_id, ends the generation without looking at its text
         (an end-of-sequence id, max_tokens): what the step's thread decides on its own."""
-        return token_id in self.eos or n >= self.max_tokens
+        return token_id in self.eos or n >= max(1, self.max_tokens)
 
     def add(self, token_id: int, now: float | None = None,
             logprobs: TokenLogprobs | None = None) -> list[Step]:
@@ -55,10 +58,15 @@ class RequestOutput:
             self.first_at = now
         self.last_at = now
         self.last_token = token_id
+        if self.max_tokens == 0:  # a prompt scored only (echo): its sampled token is not kept
+            self.n = 0
+            self.finish = "length"
+            return []
         if token_id in self.eos:
             self.finish = "stop"
             return []
-        step = Step(token_id, self._stops.feed(self._detok.add(token_id)), None, logprobs)
+        step = Step(token_id, self._stops.feed(self._detok.add(token_id)), None, logprobs,
+                    self._prompt_logprobs())
         if self._stops.stopped:
             self.finish = "stop"
         elif self.n >= self.max_tokens:
@@ -99,4 +107,12 @@ class RequestOutput:
             total_s=now - self.arrival,
             queue_s=scheduled - self.arrival,
         )
-        return [Step(self.last_token, tail, finish), stats]
+        return [Step(self.last_token, tail, finish, None, self._prompt_logprobs()), stats]
+
+    def _prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt's scores, once (None after, or when not asked for): None for its first
+        token, which nothing scores."""
+        if self.prompt_scores is None:
+            return None
+        scores, self.prompt_scores = self.prompt_scores, None
+        return (None, *(scores.get(p) for p in range(1, self.prompt_tokens)))

@@ -31,6 +31,7 @@ class RowSampling:
     min_p: float = 0.0
     # None, or how the row's logits are reshaped from its history before the draw.
     processing: Processing | None = None
+    prompt_logprobs: int | None = None  # k: score the prompt's tokens too
 
     @property
     def greedy(self) -> bool:
@@ -40,7 +41,7 @@ class RowSampling:
     def of(cls, params: SamplingParams, seed: int,
            processing: Processing | None = None) -> RowSampling:
         return cls(params.temperature, params.top_k, params.top_p, seed, params.logprobs,
-                   params.min_p, processing)
+                   params.min_p, processing, params.prompt_logprobs)
 
 
 # A decode row's token when the step that sampled it has not been read back yet (a pipelined
@@ -62,6 +63,9 @@ class ScheduledSeq:
     # A row with processing: its prompt and the tokens sampled so far (the scheduler's own
     # lists, read-only). None for every other row.
     history: tuple[list[int], list[int]] | None = None
+    # A prompt chunk to be scored: the token each of its positions predicts (the prompt's next
+    # one; the chunk's last position has none at the prompt's end). None for every other row.
+    score_next: tuple[int, ...] | None = None
 
     @property
     def end(self) -> int:
@@ -87,6 +91,8 @@ class StepOutput:
     tokens: dict[int, int]  # seq id -> the token sampled for it this step
     # Only rows whose sampling asked for them: most steps carry none, and build nothing.
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # Scored prompt chunks: seq id -> (the position of the first token scored, the scores).
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,9 @@ class ExecutorTraits:
     # own, beside the next step: for an executor whose step is bound by the host and lets go of
     # the GIL while the device works (mlx-cuda).
     output_thread: bool = False
+    # Scores a prompt chunk's tokens as it prefills them (rows with score_next); otherwise the
+    # runtime scores a prompt that asks with the engine's logits() when it arrives.
+    scores_prompts: bool = False
 
 
 class StepExecutor(Protocol):

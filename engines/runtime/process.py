@@ -179,7 +179,7 @@ class _Child:
     def _event(self, key: int, event) -> None:
         if type(event) is Step:
             self._put(("s", key, event.token_id, event.text, event.finish_reason,
-                       event.logprobs))
+                       event.logprobs, event.prompt_logprobs))
             return
         # Anything else ends the request: its RequestStats, or the exception that ended it.
         if isinstance(event, BaseException):
@@ -422,7 +422,7 @@ class ProcessLoop:
             if kind == "s":
                 sub = subs.get(key)
                 if sub is not None:
-                    sub.emit(Step(item[2], item[3], item[4], item[5]))
+                    sub.emit(Step(*item[2:]))
             elif kind == "e":  # a request's last event: its stats or the error that ended it
                 with self._lock:
                     sub = subs.pop(key, None)

@@ -95,6 +95,9 @@ class Runtime:
         out = RequestOutput(self.engine.tokenizer, sub.params, prompt_tokens=len(sub.prompt_ids),
                             engine=self.engine.name, device=self.engine.device,
                             arrival=sub.arrival)
+        if sub.params.prompt_logprobs is not None and not self.executor.traits.scores_prompts:
+            out.prompt_scores = score_prompt(self.engine, sub.prompt_ids,
+                                             sub.params.prompt_logprobs)
         self.scheduler.add(seq)
         self._live[seq.seq_id] = _Live(sub, seq, out)
 
@@ -158,6 +161,10 @@ class Runtime:
         (end-of-sequence, max_tokens), so the sequence leaves the batch now. The text, stop
         strings and events are the delivery's."""
         peak = self._meter.peak_bytes() if self._meter is not None else 0
+        for seq_id, (first, scores) in output.prompt_logprobs.items():
+            live = self._live.get(seq_id)
+            if live is not None and live.out.prompt_scores is not None:
+                live.out.prompt_scores.update(enumerate(scores, first))
         sampled = self.scheduler.update(plan, output)
         now = time.perf_counter()
         for live in self._live.values():
@@ -273,6 +280,22 @@ class Runtime:
         if not live.out.closed:
             live.out.closed = True
             live.sub.emit(exc)
+
+
+def score_prompt(engine, prompt: list[int], k: int) -> dict[int, TokenLogprobs]:
+    """A prompt's scores by position from the engine's logits() over it whole, for an executor
+    that does not score the chunks it prefills (mlx-lm's BatchGenerator keeps its prompt logits
+    to itself): this prefill runs apart from the batch, between two of its steps."""
+    import numpy as np
+
+    logits = np.asarray(engine.logits(prompt), dtype=np.float64)[:-1]
+    scores = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    out = {}
+    for position, row in enumerate(scores, 1):
+        best = np.argsort(-row)[:k]
+        out[position] = TokenLogprobs(float(row[prompt[position]]),
+                                      tuple((int(t), float(row[t])) for t in best))
+    return out
 
 
 def sequence_ids() -> itertools.count:

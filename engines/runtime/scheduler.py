@@ -215,4 +215,13 @@ class Scheduler:
             sample=start + n == seq.length, sampling=seq.sampling,
             draws=len(seq.generated) + seq.inflight,
             history=None if seq.sampling.processing is None else (seq.prompt, seq.generated),
+            score_next=self._score_next(seq, start, n),
         )
+
+    @staticmethod
+    def _score_next(seq: Sequence, start: int, n: int) -> tuple[int, ...] | None:
+        """The prompt tokens a scored chunk's positions predict (a chunk past the prompt, fed
+        again after a preemption, scores nothing)."""
+        if seq.sampling.prompt_logprobs is None or start + 1 >= len(seq.prompt):
+            return None
+        return tuple(seq.prompt[start + 1: min(start + n + 1, len(seq.prompt))])

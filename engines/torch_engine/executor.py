@@ -14,7 +14,7 @@ import torch
 
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
-from .sampling import process_rows, sample_rows, token_logprobs
+from .sampling import process_rows, sample_rows, score_tokens, token_logprobs
 
 
 def prefill_attention(device: str):
@@ -37,7 +37,7 @@ class TorchExecutor:
         # With graphs the step is pipelined: launched before the last one is read back, its
         # decode rows' PENDING tokens taken on the device from the last step's picks.
         self.pipelined = decoder is not None
-        self.traits = ExecutorTraits(pipelined=self.pipelined)
+        self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._readback = ReadBack(device)
@@ -46,13 +46,14 @@ class TorchExecutor:
         """Queue the step's work on the device; collect() reads its tokens."""
         with torch.inference_mode():
             logits, greedy, due = [], [], []
+            prompt_scores: dict = {}
             for rows in (plan.prefill, plan.decode):
                 if not rows:
                     continue
                 if rows is plan.decode and self.decoder is not None:
                     out, picks = self.decoder.run(rows, self._last)
                 else:
-                    out = self._forward(rows)
+                    out = self._forward(rows, prompt_scores)
                     picks = None
                 keep = [i for i, r in enumerate(rows) if r.sample]
                 if keep:
@@ -61,7 +62,7 @@ class TorchExecutor:
                     greedy.append(picks if picks is None or whole else picks[keep])
                     due += [rows[i] for i in keep]
             if not due:
-                return (), None, None
+                return (), None, None, prompt_scores
             if self.on_logits is not None:
                 self.on_logits(due, torch.cat(logits))
             processed = any(r.sampling.processing is not None for r in due)
@@ -79,19 +80,29 @@ class TorchExecutor:
             if any(r.sampling.logprobs is not None for r in due):
                 whole = whole if whole is not None else torch.cat(logits)
                 scored = token_logprobs(whole, tokens, due)
-            return ids, self._readback.start(tokens), scored
+            return ids, self._readback.start(tokens), scored, prompt_scores
 
     def collect(self, handle) -> StepOutput:
-        ids, pending, scored = handle
+        ids, pending, scored, prompt_scores = handle
         if not ids:
-            return StepOutput({})
+            return StepOutput({}, prompt_logprobs=prompt_scores)
         tokens = dict(zip(ids, self._readback.finish(pending)))
-        return StepOutput(tokens, scored.read() if scored is not None else {})
+        return StepOutput(tokens, scored.read() if scored is not None else {}, prompt_scores)
 
-    def _forward(self, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def _forward(self, rows: Sequence[ScheduledSeq], prompt_scores: dict) -> torch.Tensor:
+        """The rows' last positions' logits; a scored prompt chunk's positions are scored into
+        prompt_scores (seq id -> (first position scored, scores))."""
         batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
         with prefill_attention(self.device):
-            return self.model.forward_paged(batch, self.kv)
+            if not any(r.score_next for r in rows):
+                return self.model.forward_paged(batch, self.kv)
+            x = self.model.hidden_paged(batch, self.kv)
+        for i, row in enumerate(rows):
+            if row.score_next:
+                logits = self.model.head(x[i, : len(row.score_next)])
+                prompt_scores[row.seq_id] = (row.start + 1, score_tokens(
+                    logits, row.score_next, row.sampling.prompt_logprobs))
+        return self.model.head(x[torch.arange(x.shape[0], device=x.device), batch.last])
 
     def release(self, seq_ids) -> None:
         pass  # a row carries all its state: nothing is kept between steps

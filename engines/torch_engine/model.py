@@ -230,6 +230,15 @@ class Transformer(nn.Module):
 
     def forward_paged(self, batch, kv) -> torch.Tensor:
         """Logits [B, V] after each row's last real token, for a PagedBatch over the pool kv."""
+        x = self.hidden_paged(batch, kv)
+        return self.head(x[torch.arange(x.shape[0], device=x.device), batch.last])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states [..., H]."""
+        return self.lm_head(self.model.norm(x))
+
+    def hidden_paged(self, batch, kv) -> torch.Tensor:
+        """The last layer's hidden states [B, T, H] (before the final norm) of a PagedBatch."""
         cos = self.rope_cos[batch.positions][:, None]  # [B, 1, T, D]
         sin = self.rope_sin[batch.positions][:, None]
         kernel = batch.tokens.shape[1] == 1 and batch.table is not None and \
@@ -238,8 +247,7 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(batch.tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, batch, None, (kv.k[i], kv.v[i], read, mask))
-        x = x[torch.arange(x.shape[0], device=x.device), batch.last]
-        return self.lm_head(self.model.norm(x))
+        return x
 
     def use_kernels(self, attention: bool, activation: bool = False) -> None:
         """Route the static decode step's attention, and the MLP's activation, through the

@@ -152,3 +152,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     ks = [rows[i].sampling.logprobs for i in asked]
     top = torch.topk(scores, max(1, max(ks)), dim=-1)
     return ScoredRows([rows[i].seq_id for i in asked], chosen, top.values, top.indices, ks)
+
+
+def score_tokens(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Each of logits [T, V]'s rows scored at tokens[t] (the model's log-softmax) with its k
+    likeliest tokens: a prompt's own tokens, read back at once (a prefill is not pipelined)."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = scores.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    top = torch.topk(scores, max(1, k), dim=-1)
+    values, ids = top.values[:, :k].tolist(), top.indices[:, :k].tolist()
+    return [TokenLogprobs(c, tuple(zip(i, v))) for c, i, v in zip(chosen.tolist(), ids, values)]

@@ -293,3 +293,28 @@ def test_lists_of_token_id_prompts_as_lm_eval_sends_them(client, hf_tokenizer):
     alone = [client.completions.create(model=MODEL, prompt=[p], max_tokens=4,
                                        temperature=0).choices[0].text for p in prompts]
     assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == alone
+
+
+def test_echo_scores_a_continuation_as_lm_eval_asks(client, hf_tokenizer):
+    """lm-eval's loglikelihood request (the context and continuation's ids, echo, max_tokens 0,
+    logprobs 1): the continuation's log-probability is transformers' on the same weights, and
+    the MLX engine (scoring apart from its batch) agrees."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    context = hf_tokenizer.encode("The capital of France is")
+    continuation = hf_tokenizer.encode(" Paris")
+    ids = context + continuation
+    model = AutoModelForCausalLM.from_pretrained(hf_tokenizer.name_or_path, dtype=torch.float32)
+    with torch.no_grad():
+        scores = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    expected = sum(float(scores[i - 1, ids[i]]) for i in range(len(context), len(ids)))
+    for engine in ENGINES:
+        resp = client.completions.create(model=MODEL, prompt=[ids], max_tokens=0, echo=True,
+                                         logprobs=1, temperature=0,
+                                         extra_body={"engine": engine})
+        lp = resp.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+        got = sum(lp.token_logprobs[len(context):])
+        assert got == pytest.approx(expected, abs=1e-3 if engine == "torch" else 0.05), engine
+        assert resp.choices[0].text == hf_tokenizer.decode(ids)

@@ -45,7 +45,6 @@ def test_the_default_body_limit_is_one_mib(client):
     ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"echo": True}, "echo"),
 ])
 def test_unimplemented_parameters_are_400_naming_them(client, path, patch, param):
     base = CHAT if path == "/v1/chat/completions" else {"model": "tiny", "prompt": "Hi"}

@@ -4,6 +4,8 @@ completions lists, and streamed chunks that reassemble to the whole response's."
 
 import math
 
+import pytest
+
 from tests.server.helpers import CHAT, REPLY, sse_events
 
 HALF = math.log(0.5)
@@ -77,3 +79,36 @@ def test_streamed_completions_logprobs_keep_counting_offsets(client):
             offsets += lp["text_offset"]
             tokens += lp["tokens"]
     assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+
+
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(client):
+    """The fake engine's logits are all zero: every prompt token scores log(1/257)."""
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": [72, 105, 33],
+                                                 "echo": True, "max_tokens": 0,
+                                                 "logprobs": 1}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "Hi!" and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["H", "i", "!"] and lp["text_offset"] == [0, 1, 2]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [pytest.approx(-math.log(257))] * 2
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "echo": True,
+                                                 "max_tokens": 2, "logprobs": 0}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "Hi" + REPLY[:2]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["H", "i", "H", "e"] and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"][2:] == [HALF, HALF]
+    events = sse_events(client.post("/v1/completions", json={
+        "model": "tiny", "prompt": "Hi", "echo": True, "max_tokens": 2, "stream": True}).text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hi" + REPLY[:2]
+
+
+def test_max_tokens_zero_needs_echo(client):
+    resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
+                                                 "max_tokens": 0})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"

@@ -99,6 +99,7 @@ def test_classification_limits_name_their_setting(make_client):
     ("/v1/chat/completions", {"seed": 1.5}, "seed"),
     ("/v1/chat/completions", {"logprobs": "true"}, "logprobs"),
     ("/v1/completions", {"logprobs": "2"}, "logprobs"),
+    ("/v1/completions", {"echo": 1}, "echo"),
     ("/v1/completions", {"prompt": [1, "2"]}, "prompt"),
     ("/v1/classifications", {"calibrate": "no"}, "calibrate"),
 ])

@@ -1,0 +1,51 @@
+"""A prompt's own tokens scored (completions' echo, lm-eval's loglikelihood): on the torch engine
+as prefill rows of the batch, chunk by chunk; on MLX from the engine's logits when the request
+arrives. Either way the scores equal the engine's own log-softmax, beside rows that ask for
+nothing, and a request with max_tokens 0 gives its scores and no token."""
+
+import numpy as np
+import pytest
+
+from engines.base import RequestStats, SamplingParams, Step
+from engines.runtime.runtime import Runtime, Submission
+from tests.engines.helpers import PROMPTS, make_engine
+
+
+def run(engine, jobs, max_prefill_tokens):
+    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=max_prefill_tokens,
+                      threaded_output=False)
+    events = {i: [] for i in range(len(jobs))}
+    for i, (prompt, params) in enumerate(jobs):
+        runtime.add(Submission(list(prompt), params, events[i].append))
+    for _ in range(200):
+        if all(e and isinstance(e[-1], (RequestStats, BaseException)) for e in events.values()):
+            break
+        runtime.step()
+    return [events[i] for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_prompt_scores_are_the_models_across_chunks_and_beside_other_rows(tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
+    prompt = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 27 tokens: several chunks of 8
+    jobs = [(prompt, SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=2)),
+            (PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
+            (prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                    logprobs=0, prompt_logprobs=0))]
+    got = run(engine, jobs, max_prefill_tokens=8)
+    logits = np.asarray(engine.logits(prompt), dtype=np.float64)[:-1]
+    reference = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    for i in (0, 2):
+        steps = [e for e in got[i] if isinstance(e, Step)]
+        scores = steps[0].prompt_logprobs
+        assert scores[0] is None and len(scores) == len(prompt)
+        assert all(s.prompt_logprobs is None for s in steps[1:])  # once, on the first Step
+        for position, (score, row) in enumerate(zip(scores[1:], reference), 1):
+            assert score.logprob == pytest.approx(row[prompt[position]], abs=1e-4)
+            k = jobs[i][1].prompt_logprobs
+            assert [t for t, _ in score.top] == np.argsort(-row)[:k].tolist()
+    only = got[0]
+    assert only[-1].completion_tokens == 0 and only[-1].finish_reason == "length"
+    assert [e.text for e in only if isinstance(e, Step)] == [""]
+    assert got[2][-1].completion_tokens == 3
+    assert len([e for e in got[1] if isinstance(e, Step) and e.finish_reason is None]) == 5
