@@ -160,10 +160,9 @@ def test_logit_bias_and_penalties_steer_the_default_model(client, engine, hf_tok
 
 
 class City(BaseModel):
-    name: str = Field(max_length=40)
-    country: str = Field(max_length=40)
+    name: str = Field(max_length=20)
     population_millions: float
-    landmarks: list[str] = Field(max_length=3)
+    landmarks: list[str] = Field(max_length=2)
     kind: Literal["capital", "other"]
     nickname: str | None = None
 
@@ -177,7 +176,7 @@ def test_structured_output_parses_into_the_clients_model(client, engine):
     def structured():
         return client.chat.completions.parse(
             model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
-            temperature=0, max_tokens=200, response_format=City, extra_body={"engine": engine})
+            temperature=0, max_tokens=120, response_format=City, extra_body={"engine": engine})
 
     with ThreadPoolExecutor(2) as pool:
         parsed = pool.submit(structured)
@@ -278,8 +277,8 @@ def test_tokenizer_endpoints_use_the_models_tokenizer(server, hf_tokenizer):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_n_seeded_siblings_differ_and_repeat(client, engine):
     def ask():
-        resp = client.chat.completions.create(model=MODEL, messages=QUESTION, n=3, seed=5,
-                                              temperature=1.0, max_tokens=8,
+        resp = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, seed=5,
+                                              temperature=1.0, max_tokens=5,
                                               extra_body={"engine": engine})
         return [c.message.content for c in sorted(resp.choices, key=lambda c: c.index)]
 
