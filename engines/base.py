@@ -43,8 +43,9 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """A sampled token's log-probability under the model (log-softmax of its logits, before
-    temperature, top-k/top-p or any processor) and the k most likely tokens', best first."""
+    """A token's log-probability under the model (log-softmax of its logits after the request's
+    bias, penalties and grammar, before temperature, top-k/top-p or min_p) and the k most
+    likely tokens', best first."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()

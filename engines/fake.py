@@ -38,6 +38,7 @@ class ByteTokenizer:
     encode_prompt = encode
 
     template_takes_tools = False
+    _grammar = None  # llguidance's view of the vocabulary, built on first use (not pickled)
 
     def describe(self) -> dict:
         return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size,
@@ -60,7 +61,7 @@ class ByteTokenizer:
     def grammar_vocabulary(self):
         from .grammar import byte_vocabulary
 
-        if self.__dict__.get("_grammar") is None:
+        if self._grammar is None:
             self._grammar = byte_vocabulary([bytes([i]) for i in range(256)] + [b"<eos>"], EOS)
         return self._grammar
 

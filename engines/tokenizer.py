@@ -45,6 +45,8 @@ def piece_bytes(piece: str | None, byte_level: bool) -> bytes | None:
 
 
 class ChatTokenizer:
+    _grammar = None  # llguidance's view of the vocabulary, built on first use (not pickled)
+
     def __init__(self, model_dir: str | Path):
         from transformers import AutoTokenizer
 
@@ -67,7 +69,7 @@ class ChatTokenizer:
     def grammar_vocabulary(self):
         """llguidance's view of this vocabulary (engines/grammar.py), built once, on first use."""
         with self._lock:
-            if self.__dict__.get("_grammar") is None:
+            if self._grammar is None:
                 import llguidance.hf
 
                 eos = sorted(self.eos_token_ids)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engines.base import Step
+from engines.base import Step, TokenLogprobs
 
 
 @dataclass
@@ -22,36 +22,26 @@ class LogprobsFormat:
         scored = [s for s in steps if s.logprobs is not None]
         if not scored:
             return None
-        ids = [s.token_id for s in scored]
-        for s in scored:
-            ids += [token for token, _ in s.logprobs.top]
-        spelled = dict(zip(ids, self.tokenizer.token_bytes(ids)))
+        ids, scores = [s.token_id for s in scored], [s.logprobs for s in scored]
         if self.chat:
+            spelled = self._spelled(ids, scores)
             return {"content": [self._chat_entry(s, spelled) for s in scored], "refusal": None}
-        tokens, offsets = [], []
-        for s in scored:
-            text = spelled[s.token_id].decode("utf-8", errors="replace")
-            tokens.append(text)
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [s.logprobs.logprob for s in scored],
-            # The k likeliest and the chosen token, as OpenAI's legacy API gives them.
-            "top_logprobs": [
-                {**{_text(spelled[t]): lp for t, lp in s.logprobs.top},
-                 tokens[i]: s.logprobs.logprob}
-                for i, s in enumerate(scored)
-            ],
-            "text_offset": offsets,
-        }
+        return self._legacy(ids, scores)
 
-    def of_prompt(self, ids: Sequence[int], scores: Sequence) -> dict:
+    def of_prompt(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
         """The legacy lists for an echoed prompt: its first token unscored (null), as OpenAI
         gives it; the offsets run on into the completion's."""
-        spelled = dict(zip(ids, self.tokenizer.token_bytes(list(ids))))
-        tops = [t for s in scores if s is not None for t, _ in s.top]
-        spelled.update(zip(tops, self.tokenizer.token_bytes(tops)))
+        return self._legacy(ids, scores)
+
+    def _spelled(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
+        """token -> its bytes, for these tokens and their alternatives, in one call."""
+        every = list(ids) + [t for s in scores if s is not None for t, _ in s.top]
+        return dict(zip(every, self.tokenizer.token_bytes(every)))
+
+    def _legacy(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
+        """Completions' parallel lists; top_logprobs holds the k likeliest and the chosen
+        token, as OpenAI's legacy API gives them."""
+        spelled = self._spelled(ids, scores)
         tokens, offsets = [], []
         for token in ids:
             text = _text(spelled[token])
@@ -79,7 +69,6 @@ class LogprobsFormat:
 
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
-
 
 
 def joined(first: dict | None, then: dict | None) -> dict | None:

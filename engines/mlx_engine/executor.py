@@ -104,9 +104,12 @@ class MLXExecutor:
     def collect(output: StepOutput) -> StepOutput:
         return output
 
-    def _forget(self, seq_id: int) -> None:
-        del self._seq[self._uid.pop(seq_id)]
+    def _forget(self, seq_id: int) -> int:
+        """Drop a sequence's bookkeeping; its generator uid."""
+        uid = self._uid.pop(seq_id)
+        del self._seq[uid]
         self._logprobs.pop(seq_id, None)
+        return uid
 
     def _joins(self, newcomers: bool, now: float) -> bool:
         """Whether the gathered prompts join now. A running generator takes them at the first
@@ -147,10 +150,7 @@ class MLXExecutor:
             gone = set(seq_ids)
             self._held = [row for row in self._held if row.seq_id not in gone]
         self._prefilling.difference_update(seq_ids)
-        uids = [self._uid[s] for s in seq_ids if s in self._uid]
-        for seq_id in seq_ids:
-            if seq_id in self._uid:
-                self._forget(seq_id)
+        uids = [self._forget(s) for s in seq_ids if s in self._uid]
         if uids:
             self._gen.remove(uids)
 

@@ -53,15 +53,14 @@ class RequestOutput:
         for); [] when it only ended the generation (an end-of-sequence id)."""
         if now is None:
             now = self.clock()
-        self.n += 1
         if self.first_at is None:
             self.first_at = now
         self.last_at = now
         self.last_token = token_id
         if self.max_tokens == 0:  # a prompt scored only (echo): its sampled token is not kept
-            self.n = 0
             self.finish = "length"
             return []
+        self.n += 1
         if token_id in self.eos:
             self.finish = "stop"
             return []

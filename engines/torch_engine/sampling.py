@@ -140,25 +140,30 @@ class ScoredRows:
         }
 
 
+def _scored(logits: torch.Tensor, tokens: torch.Tensor, keys: list, ks: list[int]) -> ScoredRows:
+    """Row i of logits [N, V] scored at tokens[i]: the log-softmax there and the ks[i]
+    likeliest tokens', kept under keys[i]."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = scores.gather(1, tokens.view(-1, 1)).view(-1)
+    top = torch.topk(scores, max(1, max(ks)), dim=-1)
+    return ScoredRows(keys, chosen, top.values, top.indices, ks)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                    rows: Sequence[ScheduledSeq]) -> ScoredRows:
     """For each row whose sampling asks for log-probabilities: the log-softmax of its logits
-    (the model's distribution, before temperature and the other filters) at the token it got,
+    (after the row's processing, before temperature and the other filters) at the token it got,
     and its k most likely tokens."""
     asked = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
     pick = torch.tensor(asked, device=logits.device)
-    scores = torch.log_softmax(logits.index_select(0, pick).float(), dim=-1)
-    chosen = scores.gather(1, tokens.index_select(0, pick).view(-1, 1)).view(-1)
-    ks = [rows[i].sampling.logprobs for i in asked]
-    top = torch.topk(scores, max(1, max(ks)), dim=-1)
-    return ScoredRows([rows[i].seq_id for i in asked], chosen, top.values, top.indices, ks)
+    return _scored(logits.index_select(0, pick), tokens.index_select(0, pick),
+                   [rows[i].seq_id for i in asked], [rows[i].sampling.logprobs for i in asked])
 
 
 def score_tokens(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
     """Each of logits [T, V]'s rows scored at tokens[t] (the model's log-softmax) with its k
     likeliest tokens: a prompt's own tokens, read back at once (a prefill is not pipelined)."""
-    scores = torch.log_softmax(logits.float(), dim=-1)
-    chosen = scores.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-    top = torch.topk(scores, max(1, k), dim=-1)
-    values, ids = top.values[:, :k].tolist(), top.indices[:, :k].tolist()
-    return [TokenLogprobs(c, tuple(zip(i, v))) for c, i, v in zip(chosen.tolist(), ids, values)]
+    positions = list(range(len(tokens)))
+    scored = _scored(logits, torch.tensor(tokens, device=logits.device), positions,
+                     [k] * len(tokens))
+    return list(scored.read().values())
