@@ -60,15 +60,22 @@ def prompts_for(n: int, length: int, seed: int = 0) -> list[list[int]]:
 # -- the load: clients in worker processes -------------------------------------------------
 
 
+# A streamed chunk that carries no new text: a completion's empty first or last chunk, the
+# chat's opening role chunk and closing finish chunk. Matched as text (spaces removed): parsing every line in the client
+# processes would cost more than the load they generate.
+_EMPTY_CHUNKS = ('"text":""', '"content":""}', '"delta":{}')
+
+
 async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
     import httpx  # noqa: F401
 
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     await asyncio.sleep(max(0.0, start_at - time.time()))
     sent = time.time()
     chunks: list[float] = []
     tokens = 0
     server: dict = {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+    async with client.stream("POST", url + path, json=body) as resp:
         if resp.status_code != 200:
             return {"error": f"{resp.status_code} {await resp.aread()!r}"[:300]}
         async for line in resp.aiter_lines():
@@ -78,7 +85,7 @@ async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
                 last = json.loads(line[6:])
                 tokens = last["usage"]["completion_tokens"]
                 server = last.get("metrics", {})
-            elif '"text":""' not in line.replace(" ", ""):
+            elif not any(e in line.replace(" ", "") for e in _EMPTY_CHUNKS):
                 chunks.append(time.time())
     return {"sent": sent, "chunks": chunks, "tokens": tokens,
             "server_ttft_s": server.get("ttft_ms", 0) / 1000,
@@ -101,11 +108,17 @@ def _client_process(url: str, bodies: list[dict], start_at: float, out) -> None:
 
 
 def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
-              engine: str | None, procs: int) -> dict:
-    bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-               **({"engine": engine} if engine else {})}
-              for p in prompts_for(n, prompt_tokens, seed=n)]
+              engine: str | None, procs: int, extra: dict | None = None,
+              prompts: list | None = None) -> dict:
+    """One level of n clients. extra: more fields for every request body; prompts: n prompts
+    (token-id lists, or chat message lists, which send the requests to the chat endpoint)
+    instead of prompt_tokens random ids."""
+    prompts = prompts if prompts is not None else prompts_for(n, prompt_tokens, seed=n)
+    bodies = [{"model": model, ("messages" if isinstance(p[0], dict) else "prompt"): p,
+               "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True},
+               **({"engine": engine} if engine else {}), **(extra or {})}
+              for p in prompts]
     procs = max(1, min(procs, n))
     out = mp.Queue()
     start_at = time.time() + 1.5  # every process connected and waiting by then

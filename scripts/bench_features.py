@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""What each per-request feature costs decode: N streaming chat clients at once, all asking
+for the same feature, against the same N asking for none.
+
+Starts `duet serve` once (or uses --url); for each client count and each repeat, runs every
+feature in turn (so a slow spell of the machine hits them all alike): N clients each stream one
+chat completion of --max-tokens tokens (greedy, end of sequence ignored) on a distinct prompt
+of about --prompt-tokens tokens. Features:
+
+  none       plain decoding: the baseline
+  logprobs   logprobs with top_logprobs 5 on every token
+  penalties  presence_penalty and frequency_penalty 0.5
+  bias       logit_bias on 16 tokens
+  grammar    response_format json_schema: one string property of at least 100,000
+             characters, so the mask never lets the JSON close within --max-tokens
+
+Prints a table of median aggregate tok/s per feature and level, and each one's ratio to plain
+decoding at the same level; writes JSON under docs/bench/.
+
+  python scripts/bench_features.py --model smollm2-135m-instruct --clients 1,16,64 \\
+      --out docs/bench/features-smollm2-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_concurrency import prompts_for, run_level, start_server  # noqa: E402
+
+_NEVER_CLOSES = {"type": "object", "properties": {"text": {"type": "string",
+                                                            "minLength": 100_000}},
+                 "required": ["text"], "additionalProperties": False}
+FEATURES: dict[str, dict] = {
+    "none": {},
+    "logprobs": {"logprobs": True, "top_logprobs": 5},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "bias": {"logit_bias": {str(i): 1.0 for i in range(1000, 1016)}},
+    "grammar": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "long_text", "schema": _NEVER_CLOSES}}},
+}
+
+
+def chat_prompts(url: str, model: str, n: int, tokens: int) -> list[list[dict]]:
+    """n distinct user messages of about `tokens` tokens: random ids, detokenized by the
+    server, so they are text this model's tokenizer reads back to about as many tokens."""
+    import httpx
+
+    out = []
+    for ids in prompts_for(n, tokens, seed=n):
+        resp = httpx.post(url + "/detokenize", json={"model": model, "tokens": ids}, timeout=60)
+        resp.raise_for_status()
+        out.append([{"role": "user", "content": resp.json()["prompt"]}])
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", default=None)
+    p.add_argument("--url", default=None, help="an already running server")
+    p.add_argument("--clients", default="1,16,64")
+    p.add_argument("--features", default=",".join(FEATURES))
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--client-procs", type=int, default=8)
+    p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
+    p.add_argument("--server-log", default="/tmp/duet-bench-features-server.log")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--device-name", default="", help="for the JSON and the table's title")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+    features = args.features.split(",")
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise SystemExit(f"unknown features: {sorted(unknown)}")
+
+    proc, url = (None, args.url) if args.url else start_server(args)
+    try:
+        import httpx
+
+        info = httpx.get(url + "/health").json()
+        rows = []
+        for n in levels:
+            prompts = chat_prompts(url, args.model, n, args.prompt_tokens)
+            runs: dict[str, list[dict]] = {f: [] for f in features}
+            for f in features:  # one unmeasured round each: compile, grammar caches
+                run_level(url, args.model, n, args.prompt_tokens, min(16, args.max_tokens),
+                          args.engine, args.client_procs, FEATURES[f], prompts)
+            for _ in range(args.repeats):
+                for f in features:
+                    runs[f].append(run_level(url, args.model, n, args.prompt_tokens,
+                                             args.max_tokens, args.engine, args.client_procs,
+                                             FEATURES[f], prompts))
+            for f in features:
+                tok_s = sorted(r["aggregate_tok_s"] for r in runs[f])
+                rows.append({
+                    "clients": n, "feature": f, "aggregate_tok_s": statistics.median(tok_s),
+                    "runs": tok_s,
+                    "itl_ms_p50": statistics.median(r["itl_ms_p50"] for r in runs[f]),
+                    "ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in runs[f]),
+                    "peak_batch": max(r["peak_batch"] for r in runs[f]),
+                })
+                r = rows[-1]
+                print(f"{n:4} clients  {f:10} {r['aggregate_tok_s']:9.1f} tok/s  ITL p50 "
+                      f"{r['itl_ms_p50']:7.2f} ms  batch {r['peak_batch']}", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+
+    base = {r["clients"]: r["aggregate_tok_s"] for r in rows if r["feature"] == "none"}
+    for r in rows:
+        r["vs_none"] = round(r["aggregate_tok_s"] / base[r["clients"]], 3) if base else None
+    print(f"\n{args.model} on {args.device_name or 'this machine'}: median aggregate tok/s "
+          f"(x plain decoding), {args.repeats} runs")
+    print("| feature | " + " | ".join(f"{n} client{'s' * (n > 1)}" for n in levels) + " |")
+    print("|---|" + "---|" * len(levels))
+    for f in features:
+        cells = []
+        for n in levels:
+            r = next(r for r in rows if r["clients"] == n and r["feature"] == f)
+            ratio = f" ({r['vs_none']:.2f}x)" if r["vs_none"] is not None else ""
+            cells.append(f"{r['aggregate_tok_s']:,.0f}{ratio}")
+        print(f"| {f} | " + " | ".join(cells) + " |")
+    if args.out:
+        result = {"date": dt.date.today().isoformat(), "model": args.model,
+                  "engine": args.engine, "device": args.device_name,
+                  "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                  "repeats": args.repeats, "server": info.get("engines"), "rows": rows,
+                  "command": " ".join(sys.argv)}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
