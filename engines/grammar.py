@@ -97,18 +97,29 @@ class GrammarState:
 
     def allowed(self, generated: Sequence[int], vocab: int) -> np.ndarray:
         """A bool mask [vocab] of the tokens that may follow `generated` (every token sampled so
-        far). Past the tokenizer's vocabulary (a padded embedding) nothing is allowed. A matcher
-        gone wrong (it should not: every token came through its mask) allows only the end, so
-        the request ends there and the batch goes on."""
+        far): bitmask() unpacked."""
+        bits = np.unpackbits(self.bitmask(generated, vocab), bitorder="little")
+        return bits[:vocab].astype(bool)
+
+    def bitmask(self, generated: Sequence[int], vocab: int) -> np.ndarray:
+        """The tokens that may follow `generated`, packed: uint8 [ceil(vocab / 8)], token t at
+        bit t % 8 of byte t // 8. Past the tokenizer's vocabulary (a padded embedding) nothing
+        is allowed. A matcher gone wrong (it should not: every token came through its mask)
+        allows only the end, so the request ends there and the batch goes on."""
         for token in generated[self._consumed:]:
             self._matcher.consume_token(token)
         self._consumed = len(generated)
-        mask = np.zeros(vocab, dtype=bool)
+        size = -(-vocab // 8)
         if self._matcher.is_error():
             log.warning("a grammar ended its request early: %s", self._matcher.get_error())
+            mask = np.zeros(size * 8, dtype=bool)
             mask[[t for t in self._eos if t < vocab]] = True
-            return mask
+            return np.packbits(mask, bitorder="little")
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: min(self._vocab, vocab)]
-        mask[: len(allowed)] = allowed.astype(bool)
-        return mask
+        out = np.zeros(size, dtype=np.uint8)
+        n = min(size, len(bits))
+        out[:n] = bits[:n]
+        if self._vocab < vocab:  # clear the bits past the tokenizer's last token
+            out[self._vocab // 8] &= np.uint8((1 << (self._vocab % 8)) - 1)
+            out[self._vocab // 8 + 1:] = 0
+        return out

@@ -42,10 +42,19 @@ class Processing:
         return None if made == cls() else made
 
     @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
     def needs_history(self) -> bool:
         """Whether the row's tokens so far change its processing (a bias alone does not)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or self.grammar is not None)
+        return self.penalised or self.grammar is not None
+
+    def waits_for_tokens(self, counts_on_device: bool) -> bool:
+        """Whether the row's next step needs its last token on the host first: a grammar's
+        matcher always does; the penalties do unless the executor counts tokens itself."""
+        return self.grammar is not None or (self.penalised and not counts_on_device)
 
     def additions(self, generated: Sequence[int]) -> dict[int, float]:
         """token -> what is added to its logit: the bias and the completion's penalties."""

@@ -115,6 +115,9 @@ class ExecutorTraits:
     # Scores a prompt chunk's tokens as it prefills them (rows with score_next); otherwise the
     # runtime scores a prompt that asks with the engine's logits() when it arrives.
     scores_prompts: bool = False
+    # Keeps each row's sampled-token counts itself, where it samples them: a row with penalties
+    # needs no history from the host, so it need not wait for its last token to be read.
+    counts_tokens: bool = False
 
 
 class StepExecutor(Protocol):

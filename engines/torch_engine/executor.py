@@ -14,7 +14,8 @@ import torch
 
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
-from .sampling import process_rows, sample_rows, score_tokens, token_logprobs
+from .processing import RowProcessor
+from .sampling import sample_rows, score_tokens, token_logprobs
 
 
 def prefill_attention(device: str):
@@ -37,13 +38,16 @@ class TorchExecutor:
         # With graphs the step is pipelined: launched before the last one is read back, its
         # decode rows' PENDING tokens taken on the device from the last step's picks.
         self.pipelined = decoder is not None
-        self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True)
+        self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True,
+                                     counts_tokens=True)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._readback = ReadBack(device)
+        self._processor = RowProcessor(model.args.vocab_size, device)
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
+        self._processor.release(plan.released)
         with torch.inference_mode():
             logits, greedy, due = [], [], []
             prompt_scores: dict = {}
@@ -71,8 +75,10 @@ class TorchExecutor:
                                     for x, g in zip(logits, greedy)])
                 whole = None
             else:  # the graphs' greedy picks were made before any processing: picked anew
-                whole = process_rows(torch.cat(logits) if len(logits) > 1 else logits[0], due)
+                whole, counted = self._processor.apply(
+                    torch.cat(logits) if len(logits) > 1 else logits[0], due)
                 tokens = sample_rows(whole, due)
+                self._processor.count(counted, tokens)
             ids = tuple(r.seq_id for r in due)
             if self.pipelined:  # where the next step's PENDING rows find their tokens
                 self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
@@ -105,10 +111,11 @@ class TorchExecutor:
         return self.model.head(x[torch.arange(x.shape[0], device=x.device), batch.last])
 
     def release(self, seq_ids) -> None:
-        pass  # a row carries all its state: nothing is kept between steps
+        self._processor.release(seq_ids)  # the penalties' counts; a row carries the rest
 
     def close(self) -> None:
         self._last = None
+        self._processor = RowProcessor(self.model.args.vocab_size, self.device)
 
 
 class ReadBack:

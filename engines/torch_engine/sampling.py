@@ -51,33 +51,6 @@ def row_uniforms(seeds: torch.Tensor, draws: torch.Tensor, width: int) -> torch.
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def process_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
-    """The logits [B, V] with each row's processing applied (engines/processing.py): a float32
-    copy when any row has some, else the logits themselves."""
-    todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
-    if not todo:
-        return logits
-    x = logits.float().clone()
-    device = x.device
-    for i in todo:
-        processing = rows[i].sampling.processing
-        prompt, generated = rows[i].history
-        seen = processing.repeated(prompt, generated)
-        if seen:
-            ids = torch.tensor(seen, device=device)
-            values = x[i, ids]
-            penalty = processing.repetition_penalty
-            x[i, ids] = torch.where(values > 0, values / penalty, values * penalty)
-        added = processing.additions(generated)
-        if added:
-            x[i].index_add_(0, torch.tensor(list(added), device=device),
-                            torch.tensor(list(added.values()), device=device))
-        if processing.grammar is not None:
-            allowed = torch.from_numpy(processing.grammar.allowed(generated, x.shape[-1]))
-            x[i].masked_fill_(~allowed.to(device), float("-inf"))
-    return x
-
-
 def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Tensor:
     """One token per row of logits [B, V], each row by its own settings: temperature first,
     then min_p, then top_k, then top_p over what top_k kept; greedy rows take the argmax.
@@ -123,15 +96,26 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Ten
 
 
 class ScoredRows:
-    """The log-probabilities of a step's rows that asked for them, still on the device: read()
-    brings them to the host when the step is collected."""
+    """The log-probabilities of a step's rows that asked for them, on their way to the host:
+    on CUDA copied into pinned memory behind the step's work, so that reading them (read(),
+    when the step is collected) waits for this step alone, not for the next one that a
+    pipelined executor has queued since."""
 
     def __init__(self, seq_ids: list[int], chosen: torch.Tensor, top_values: torch.Tensor,
                  top_ids: torch.Tensor, ks: list[int]):
-        self.seq_ids, self.chosen, self.top_values, self.top_ids, self.ks = (
-            seq_ids, chosen, top_values, top_ids, ks)
+        self.seq_ids, self.ks = seq_ids, ks
+        self._done = None
+        if chosen.is_cuda:
+            chosen, top_values, top_ids = (
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in (chosen, top_values, top_ids))
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self.chosen, self.top_values, self.top_ids = chosen, top_values, top_ids
 
     def read(self) -> dict[int, TokenLogprobs]:
+        if self._done is not None:
+            self._done.synchronize()
         chosen = self.chosen.tolist()
         values, ids = self.top_values.tolist(), self.top_ids.tolist()
         return {

@@ -1,0 +1,129 @@
+"""The rows' processing (engines/processing.py) applied to a step's logits in one pass over the
+batch, on the device.
+
+The penalties read each sequence's token counts, which live here, on the device, one slot per
+sequence: filled from the row's history when it is first seen, then counted up from each step's
+sampled tokens where they are sampled. So a penalised row needs no history from the host and
+runs every step of a pipelined executor. Bias and grammar masks are gathered for the whole
+batch and sent over in one copy each, not one per row."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..runtime.plan import ScheduledSeq
+
+
+def to_device(values, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A host list or array as a tensor on the device, copied without waiting for the device
+    (from pinned memory): a plain copy would wait for the steps queued before it."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if not device.startswith("cuda"):
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class RowProcessor:
+    """Applies the rows' processing; keeps each penalised sequence's token counts."""
+
+    def __init__(self, vocab: int, device: str):
+        self.vocab, self.device = vocab, device
+        self._slots: dict[int, int] = {}  # seq id -> its row of the count tables
+        self._free: list[int] = []
+        self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # completion
+        self._in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            slot = self._slots.pop(seq_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[ScheduledSeq]):
+        """The logits [B, V] with each row's processing applied (a float32 copy when any row
+        has some, else the logits themselves), and the penalised rows' (row index, slot) for
+        count() once their tokens are sampled."""
+        todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
+        if not todo:
+            return logits, None
+        x = logits.float().clone()
+        vocab = x.shape[-1]
+        penalised = [i for i in todo if rows[i].sampling.processing.penalised]
+        counted = None
+        if penalised:
+            slots = [self._slot(rows[i]) for i in penalised]
+            counted = (to_device(penalised, torch.long, self.device),
+                       to_device(slots, torch.long, self.device))
+            self._penalise(x, rows, penalised, *counted)
+        biased = [(i * vocab + token, bias) for i in todo
+                  for token, bias in rows[i].sampling.processing.logit_bias if token < vocab]
+        if biased:
+            where, values = zip(*biased)
+            x.view(-1).index_add_(0, to_device(where, torch.long, self.device),
+                                  to_device(values, torch.float32, self.device))
+        masked = [i for i in todo if rows[i].sampling.processing.grammar is not None]
+        if masked:
+            allowed = np.stack([
+                rows[i].sampling.processing.grammar.bitmask(rows[i].history[1], vocab)
+                for i in masked])
+            bits = to_device(allowed, torch.uint8, self.device)
+            bits = ((bits.unsqueeze(-1) >> torch.arange(8, device=x.device, dtype=torch.uint8))
+                    & 1).view(len(masked), -1)[:, :vocab].bool()
+            index = to_device(masked, torch.long, self.device)
+            x[index] = x[index].masked_fill(~bits, float("-inf"))
+        return x, counted
+
+    def count(self, counted, tokens: torch.Tensor) -> None:
+        """Add the penalised rows' sampled tokens to their counts, on the device."""
+        if counted is None:
+            return
+        index, slots = counted
+        self._counts.index_put_((slots, tokens.index_select(0, index)),
+                                torch.ones_like(slots, dtype=torch.int32), accumulate=True)
+
+    def _penalise(self, x: torch.Tensor, rows, penalised: list[int], index: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+        """The repetition penalty on the raw logits, then the presence and frequency
+        penalties subtracted (engines/processing.py's order)."""
+        settings = [rows[i].sampling.processing for i in penalised]
+        counts = self._counts.index_select(0, slots)
+        part = x.index_select(0, index)
+        if any(s.repetition_penalty != 1.0 for s in settings):
+            penalty = to_device([[s.repetition_penalty] for s in settings], torch.float32,
+                                self.device)
+            seen = (counts > 0) | self._in_prompt.index_select(0, slots)
+            part = torch.where(seen, torch.where(part > 0, part / penalty, part * penalty), part)
+        coefficients = to_device([[s.presence_penalty, s.frequency_penalty] for s in settings],
+                                 torch.float32, self.device)
+        part = (part - coefficients[:, :1] * (counts > 0)
+                - coefficients[:, 1:] * counts.float())
+        x.index_copy_(0, index, part)
+
+    def _slot(self, row: ScheduledSeq) -> int:
+        """The sequence's slot, made from its history the first time it is seen."""
+        slot = self._slots.get(row.seq_id)
+        if slot is not None:
+            return slot
+        if not self._free:
+            self._grow()
+        slot = self._slots[row.seq_id] = self._free.pop()
+        prompt, generated = row.history
+        counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=self.vocab)
+        self._counts[slot] = to_device(counts[: self.vocab], torch.int32, self.device)
+        seen = np.zeros(self.vocab, dtype=bool)
+        if row.sampling.processing.repetition_penalty != 1.0:
+            seen[[t for t in prompt if t < self.vocab]] = True
+        self._in_prompt[slot] = to_device(seen, torch.bool, self.device)
+        return slot
+
+    def _grow(self) -> None:
+        """Twice as many slots (at least 8): a batch's worth is made once, not per request."""
+        old = self._counts.shape[0]
+        new = max(8, 2 * old)
+        self._counts = torch.cat([self._counts, self._counts.new_zeros(new - old, self.vocab)])
+        self._in_prompt = torch.cat([self._in_prompt,
+                                     self._in_prompt.new_zeros(new - old, self.vocab)])
+        self._free.extend(range(new - 1, old - 1, -1))

@@ -1,0 +1,100 @@
+"""The torch engine's batched processing (engines/torch_engine/processing.py): penalties from
+counts it keeps on the device, filled from a row's history only the first time the row is seen;
+bias and grammar masks for the whole batch at once."""
+
+import numpy as np
+import pytest
+import torch
+
+from engines.base import SamplingParams
+from engines.processing import Processing
+from engines.runtime.plan import RowSampling, ScheduledSeq
+from engines.torch_engine.processing import RowProcessor
+
+VOCAB = 16
+
+
+def row(seq_id, params, prompt, generated, grammar=None):
+    sampling = RowSampling.of(params, 0, Processing.of(params, grammar))
+    return ScheduledSeq(seq_id, (0,), 0, (0,), True, sampling, len(generated),
+                        history=(prompt, generated))
+
+
+def expected(logits, params, prompt, generated):
+    x = logits.clone()
+    if params.repetition_penalty != 1.0:
+        for t in set(prompt) | set(generated):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, b in params.logit_bias:
+        x[t] += b
+    for t in set(generated):
+        x[t] -= params.presence_penalty + params.frequency_penalty * generated.count(t)
+    return x
+
+
+def test_counts_follow_sampled_tokens_not_the_history_after_the_first_step():
+    """The history is read once; later steps count the tokens the processor was told were
+    sampled, so a history the host has not caught up with (a pipelined step) does not matter."""
+    params = SamplingParams(max_tokens=8, repetition_penalty=1.5, presence_penalty=0.5,
+                            frequency_penalty=0.25, logit_bias=((2, 1.0),))
+    plain = SamplingParams(max_tokens=8)
+    proc = RowProcessor(VOCAB, "cpu")
+    torch.manual_seed(0)
+    prompt, generated = [1, 4], [3, 3]
+    for token in (5, 3, 5, 9):
+        logits = torch.randn(2, VOCAB)
+        rows = [row(7, params, prompt, [99] * 50), row(8, plain, [1], [])]  # history ignored
+        if token == 5 and generated == [3, 3]:
+            rows[0] = row(7, params, prompt, list(generated))  # the first sight reads it
+        x, counted = proc.apply(logits, rows)
+        assert torch.allclose(x[0], expected(logits[0], params, prompt, generated))
+        assert torch.equal(x[1], logits[1])  # a row without processing is left alone
+        proc.count(counted, torch.tensor([token, 0]))
+        generated.append(token)
+
+
+def test_a_released_sequence_s_slot_starts_afresh_for_the_next():
+    params = SamplingParams(max_tokens=8, frequency_penalty=1.0)
+    proc = RowProcessor(VOCAB, "cpu")
+    logits = torch.zeros(1, VOCAB)
+    _, counted = proc.apply(logits, [row(1, params, [2], [6, 6])])
+    proc.count(counted, torch.tensor([6]))
+    proc.release([1])
+    x, _ = proc.apply(logits, [row(2, params, [2], [])])
+    assert torch.equal(x[0], torch.zeros(VOCAB))  # nothing of sequence 1's counts left
+    x, _ = proc.apply(logits, [row(1, params, [2], [4])])  # back after a preemption
+    assert x[0, 4] == -1.0 and x[0, 6] == 0.0
+
+
+def test_slots_grow_with_the_batch():
+    params = SamplingParams(max_tokens=8, presence_penalty=1.0)
+    proc = RowProcessor(VOCAB, "cpu")
+    rows = [row(i, params, [0], [i % VOCAB]) for i in range(20)]
+    x, _ = proc.apply(torch.zeros(20, VOCAB), rows)
+    for i in range(20):
+        assert x[i, i % VOCAB] == -1.0 and (x[i] != 0).sum() == 1
+
+
+class Mask:
+    """A grammar stand-in: allows the tokens it was made with, whatever came before."""
+
+    def __init__(self, allowed):
+        self.allowed = allowed
+
+    def bitmask(self, generated, vocab):
+        bits = np.zeros(-(-vocab // 8) * 8, dtype=bool)
+        bits[self.allowed] = True
+        return np.packbits(bits, bitorder="little")
+
+
+@pytest.mark.parametrize("vocab", [16, 21])
+def test_grammar_masks_of_the_batch_go_over_in_one_and_mask_their_own_rows(vocab):
+    proc = RowProcessor(vocab, "cpu")
+    params = SamplingParams(max_tokens=8)
+    logits = torch.randn(3, vocab)
+    rows = [row(0, params, [0], [], Mask([1, 20 % vocab])), row(1, params, [0], []),
+            row(2, params, [0], [], Mask([0, 9]))]
+    x, _ = proc.apply(logits, rows)
+    assert torch.isfinite(x[0]).nonzero().view(-1).tolist() == sorted({1, 20 % vocab})
+    assert torch.equal(x[1], logits[1])
+    assert torch.isfinite(x[2]).nonzero().view(-1).tolist() == [0, 9]
