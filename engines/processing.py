@@ -51,10 +51,10 @@ class Processing:
         """Whether the row's tokens so far change its processing (a bias alone does not)."""
         return self.penalised or self.grammar is not None
 
-    def waits_for_tokens(self, counts_on_device: bool) -> bool:
-        """Whether the row's next step needs its last token on the host first: a grammar's
-        matcher always does; the penalties do unless the executor counts tokens itself."""
-        return self.grammar is not None or (self.penalised and not counts_on_device)
+    def waits_for_tokens(self, processes_in_flight: bool) -> bool:
+        """Whether the row's next step must wait for its last token to reach the host's
+        history (unless the executor processes rows with a token in flight)."""
+        return self.needs_history and not processes_in_flight
 
     def additions(self, generated: Sequence[int]) -> dict[int, float]:
         """token -> what is added to its logit: the bias and the completion's penalties."""

@@ -115,9 +115,10 @@ class ExecutorTraits:
     # Scores a prompt chunk's tokens as it prefills them (rows with score_next); otherwise the
     # runtime scores a prompt that asks with the engine's logits() when it arrives.
     scores_prompts: bool = False
-    # Keeps each row's sampled-token counts itself, where it samples them: a row with penalties
-    # needs no history from the host, so it need not wait for its last token to be read.
-    counts_tokens: bool = False
+    # Processes a row's logits while its last token is still in flight: it keeps the penalties'
+    # token counts itself and takes a grammar's last token from the step that sampled it, so a
+    # row with processing need not wait for its last token to be read.
+    processes_in_flight: bool = False
 
 
 class StepExecutor(Protocol):

@@ -62,7 +62,7 @@ class Runtime:
             max_batch=max_batch or engine.max_batch,
             max_prefill_tokens=max_prefill_tokens or engine.max_prefill_tokens,
             chunked_prefill=not traits.answers_late,
-            pipelined=self.pipelined, counts_tokens=traits.counts_tokens,
+            pipelined=self.pipelined, processes_in_flight=traits.processes_in_flight,
         )
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}

@@ -18,9 +18,9 @@ Rules:
 - A pipelined executor runs a step before the host has read the last one's tokens: a sequence
   then has a token in flight, which its next decode row feeds as PENDING (the executor takes it
   from the device), and it is not scheduled past max_tokens. A sequence is never re-admitted
-  with a token in flight. A sequence whose logits are processed from its history on the host
-  (a grammar; penalties, unless the executor counts tokens itself) waits for its token
-  instead: it runs every other step of a pipelined executor.
+  with a token in flight. A sequence whose logits are processed from its history (penalties, a
+  grammar) waits for its token instead, unless the executor processes rows with a token in
+  flight: then it runs every step of a pipelined executor, else every other.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Sequence:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
                  chunked_prefill: bool = True, pipelined: bool = False,
-                 counts_tokens: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 processes_in_flight: bool = False, clock: Callable[[], float] = time.perf_counter):
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be at least 1")
         self.pool = pool
@@ -80,7 +80,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill
         self.pipelined = pipelined
-        self.counts_tokens = counts_tokens
+        self.processes_in_flight = processes_in_flight
         # An executor that prefills on its own terms may compute a sequence's next token before
         # it reports the last one: keep a token of room ahead for it.
         self._lag = 0 if chunked_prefill else 1
@@ -127,7 +127,7 @@ class Scheduler:
             processing = seq.sampling.processing
             if seq.inflight and (seq.at_limit or not self.pipelined
                                  or (processing is not None
-                                     and processing.waits_for_tokens(self.counts_tokens))):
+                                     and processing.waits_for_tokens(self.processes_in_flight))):
                 # Its last token is in flight (it ends once that is read), the executor
                 # answers late and has not answered yet, or its logits are processed from its
                 # history on the host, which must hold that token first.

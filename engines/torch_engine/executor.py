@@ -39,9 +39,10 @@ class TorchExecutor:
         # decode rows' PENDING tokens taken on the device from the last step's picks.
         self.pipelined = decoder is not None
         self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True,
-                                     counts_tokens=True)
+                                     processes_in_flight=True)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
+        self._last_read = None  # the last step's picks on their way to the host
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
 
@@ -76,17 +77,30 @@ class TorchExecutor:
                 whole = None
             else:  # the graphs' greedy picks were made before any processing: picked anew
                 whole, counted = self._processor.apply(
-                    torch.cat(logits) if len(logits) > 1 else logits[0], due)
+                    torch.cat(logits) if len(logits) > 1 else logits[0], due, self._in_flight)
                 tokens = sample_rows(whole, due)
                 self._processor.count(counted, tokens)
             ids = tuple(r.seq_id for r in due)
-            if self.pipelined:  # where the next step's PENDING rows find their tokens
-                self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
             scored = None
             if any(r.sampling.logprobs is not None for r in due):
                 whole = whole if whole is not None else torch.cat(logits)
                 scored = token_logprobs(whole, tokens, due)
-            return ids, self._readback.start(tokens), scored, prompt_scores
+            pending = self._readback.start(tokens)
+            if self.pipelined:  # where the next step's PENDING rows find their tokens
+                index = {seq_id: i for i, seq_id in enumerate(ids)}
+                self._last = (tokens, index)
+                self._last_read = (pending, index)
+            return ids, pending, scored, prompt_scores
+
+    def _in_flight(self, seq_id: int) -> int:
+        """The token the last step sampled for seq_id, on the host: a grammar's matcher needs
+        it for this step's mask. Waits for that step alone; this step's forward is queued by
+        then, so the device works while the host reads the token and computes the mask."""
+        pending, index = self._last_read
+        if not isinstance(pending, list):
+            pending = ReadBack.finish(pending)
+            self._last_read = (pending, index)
+        return pending[index[seq_id]]
 
     def collect(self, handle) -> StepOutput:
         ids, pending, scored, prompt_scores = handle

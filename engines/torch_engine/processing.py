@@ -9,12 +9,12 @@ batch and sent over in one copy each, not one per row."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..runtime.plan import ScheduledSeq
+from ..runtime.plan import PENDING, ScheduledSeq
 
 
 def to_device(values, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -42,10 +42,12 @@ class RowProcessor:
             if slot is not None:
                 self._free.append(slot)
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[ScheduledSeq]):
+    def apply(self, logits: torch.Tensor, rows: Sequence[ScheduledSeq],
+              in_flight: Callable[[int], int] | None = None):
         """The logits [B, V] with each row's processing applied (a float32 copy when any row
         has some, else the logits themselves), and the penalised rows' (row index, slot) for
-        count() once their tokens are sampled."""
+        count() once their tokens are sampled. in_flight(seq_id): the last token of a row fed
+        PENDING (a pipelined step), which its history does not hold yet."""
         todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
         if not todo:
             return logits, None
@@ -66,15 +68,21 @@ class RowProcessor:
                                   to_device(values, torch.float32, self.device))
         masked = [i for i in todo if rows[i].sampling.processing.grammar is not None]
         if masked:
-            allowed = np.stack([
-                rows[i].sampling.processing.grammar.bitmask(rows[i].history[1], vocab)
-                for i in masked])
+            allowed = np.stack([rows[i].sampling.processing.grammar.bitmask(
+                self._generated(rows[i], in_flight), vocab) for i in masked])
             bits = to_device(allowed, torch.uint8, self.device)
             bits = ((bits.unsqueeze(-1) >> torch.arange(8, device=x.device, dtype=torch.uint8))
                     & 1).view(len(masked), -1)[:, :vocab].bool()
             index = to_device(masked, torch.long, self.device)
             x[index] = x[index].masked_fill(~bits, float("-inf"))
         return x, counted
+
+    @staticmethod
+    def _generated(row: ScheduledSeq, in_flight) -> list[int]:
+        generated = row.history[1]
+        if row.tokens[0] == PENDING:
+            generated = [*generated, in_flight(row.seq_id)]
+        return generated
 
     def count(self, counted, tokens: torch.Tensor) -> None:
         """Add the penalised rows' sampled tokens to their counts, on the device."""

@@ -140,3 +140,36 @@ def test_pipelined_preemption_and_abort(tiny_dirs, monkeypatch):
     assert events[-1].finish_reason == "cancelled"
     assert 0 < events[-1].completion_tokens < 40
     assert engine.kv_pool.used_blocks == 0
+
+
+def test_pipelined_rows_with_processing_run_every_step_and_get_their_solo_tokens(
+        tiny_dirs, monkeypatch):
+    """Penalties (counts kept on the device) and a grammar (its last token read from the step
+    that sampled it) are applied to rows whose token is still in flight: those rows run every
+    step, not every other, and each request gets what it gets alone on the plain engine."""
+    from engines.grammar import json_schema_grammar
+
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    schema = {"type": "object", "properties": {"k": {"enum": ["ab", "c"]},
+                                               "n": {"type": "integer"}},
+              "required": ["k", "n"], "additionalProperties": False}
+    jobs = [
+        (PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                    presence_penalty=1.0, frequency_penalty=0.5,
+                                    repetition_penalty=1.3, logit_bias=((7, 3.0),))),
+        (PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.0,
+                                    grammar=json_schema_grammar(schema))),
+        (PROMPTS[3], GREEDY[3]),
+    ]
+    plain = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    solo = [alone(plain, p, g) for p, g in jobs]
+    engine = graph_engine(tiny_dirs)
+    fed = []
+    run = engine.decoder.run
+    engine.decoder.run = lambda rows, last=None: (
+        fed.extend(r.tokens[0] == PENDING for r in rows if r.sampling.processing is not None),
+        run(rows, last))[1]
+    got, _ = run_together(Runtime(engine, max_batch=3, max_prefill_tokens=64), jobs)
+    assert got == solo
+    assert len(fed) >= 12 + len(got[1]) - 4 and sum(fed) > len(fed) * 3 // 4
+    assert engine.kv_pool.used_blocks == 0

@@ -261,15 +261,16 @@ def test_a_scheduler_that_could_never_run_a_row_is_refused(batch, budget):
     Scheduler(BlockPool(4, 16), max_batch=1, max_prefill_tokens=1)
 
 
-@pytest.mark.parametrize("counts_tokens", [False, True])
-def test_a_penalised_row_waits_for_its_token_unless_the_executor_counts_tokens(counts_tokens):
-    """Pipelined: a row with penalties needs its last token on the host before its next step,
-    unless the executor keeps the counts itself; a grammar's row always waits."""
+@pytest.mark.parametrize("processes_in_flight", [False, True])
+def test_processed_rows_wait_for_their_token_unless_the_executor_processes_in_flight(
+        processes_in_flight):
+    """Pipelined: a row with penalties or a grammar needs its last token in the host's history
+    before its next step, unless the executor processes rows with a token in flight."""
     from engines.grammar import GrammarState
     from engines.processing import Processing
 
     sched = Scheduler(BlockPool(20, 4), max_batch=2, max_prefill_tokens=1000, pipelined=True,
-                      counts_tokens=counts_tokens)
+                      processes_in_flight=processes_in_flight)
     params = SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=1.0)
     penalised = Sequence(0, [1, 2, 3], params, RowSampling.of(params, 0, Processing.of(params)))
     grammar = Processing(grammar=object.__new__(GrammarState))  # never asked: the step is fake
@@ -278,4 +279,4 @@ def test_a_penalised_row_waits_for_its_token_unless_the_executor_counts_tokens(c
     sched.add(masked)
     assert [r.sample for r in sched.schedule().prefill] == [True, True]
     second = sched.schedule()  # the first step's tokens are not read back yet
-    assert [r.seq_id for r in second.decode] == ([0] if counts_tokens else [])
+    assert [r.seq_id for r in second.decode] == ([0, 1] if processes_in_flight else [])
