@@ -89,7 +89,7 @@ class GrammarState:
         from llguidance import LLMatcher
 
         self._matcher = LLMatcher(vocabulary, grammar)
-        self._vocab = vocabulary.vocab_size
+        self.vocab_size = vocabulary.vocab_size
         self._eos = sorted(eos_token_ids)
         self._consumed = 0
         if self._matcher.is_error():
@@ -106,20 +106,68 @@ class GrammarState:
         bit t % 8 of byte t // 8. Past the tokenizer's vocabulary (a padded embedding) nothing
         is allowed. A matcher gone wrong (it should not: every token came through its mask)
         allows only the end, so the request ends there and the batch goes on."""
+        if not self.advance(generated):
+            return self.end_only(vocab)
+        return self.packed(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), vocab)
+
+    @property
+    def matcher(self):
+        return self._matcher
+
+    def advance(self, generated: Sequence[int]) -> bool:
+        """Take in the tokens sampled since the last call; False if the matcher went wrong."""
         for token in generated[self._consumed:]:
             self._matcher.consume_token(token)
         self._consumed = len(generated)
-        size = -(-vocab // 8)
         if self._matcher.is_error():
             log.warning("a grammar ended its request early: %s", self._matcher.get_error())
-            mask = np.zeros(size * 8, dtype=bool)
-            mask[[t for t in self._eos if t < vocab]] = True
-            return np.packbits(mask, bitorder="little")
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+            return False
+        return True
+
+    def end_only(self, vocab: int) -> np.ndarray:
+        mask = np.zeros(-(-vocab // 8) * 8, dtype=bool)
+        mask[[t for t in self._eos if t < vocab]] = True
+        return np.packbits(mask, bitorder="little")
+
+    def packed(self, bits: np.ndarray, vocab: int) -> np.ndarray:
+        """llguidance's mask bytes (uint8, little-endian 32-bit words) cut or padded to vocab."""
+        size = -(-vocab // 8)
         out = np.zeros(size, dtype=np.uint8)
         n = min(size, len(bits))
         out[:n] = bits[:n]
-        if self._vocab < vocab:  # clear the bits past the tokenizer's last token
-            out[self._vocab // 8] &= np.uint8((1 << (self._vocab % 8)) - 1)
-            out[self._vocab // 8 + 1:] = 0
+        if self.vocab_size < vocab:  # clear the bits past the tokenizer's last token
+            out[self.vocab_size // 8] &= np.uint8((1 << (self.vocab_size % 8)) - 1)
+            out[self.vocab_size // 8 + 1:] = 0
+        return out
+
+
+class MaskFiller:
+    """Many requests' masks in one call, computed on llguidance's own threads (a mask takes
+    tens of microseconds, and a batch of 64 grammar rows one after another held up the step)."""
+
+    def __init__(self):
+        self._executor = None
+
+    def bitmasks(self, rows: Sequence[tuple[GrammarState, Sequence[int]]],
+                 vocab: int) -> np.ndarray:
+        """uint8 [len(rows), ceil(vocab / 8)]: each (state, generated)'s bitmask()."""
+        from llguidance import LLExecutor
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        out = np.zeros((len(rows), -(-vocab // 8)), dtype=np.uint8)
+        live = []
+        for i, (state, generated) in enumerate(rows):
+            if state.advance(generated):
+                live.append(i)
+            else:
+                out[i] = state.end_only(vocab)
+        if live:
+            if self._executor is None:
+                self._executor = LLExecutor()
+            words = max(-(-rows[i][0].vocab_size // 32) for i in live)
+            raw = np.zeros((len(live), words), dtype=np.int32)
+            fill_next_token_bitmask_par(
+                self._executor, [(rows[i][0].matcher, k) for k, i in enumerate(live)], raw)
+            for k, i in enumerate(live):
+                out[i] = rows[i][0].packed(raw[k].view(np.uint8), vocab)
         return out

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ..grammar import MaskFiller
 from ..runtime.plan import PENDING, ScheduledSeq
 
 
@@ -29,8 +30,9 @@ def to_device(values, dtype: torch.dtype, device: str) -> torch.Tensor:
 class RowProcessor:
     """Applies the rows' processing; keeps each penalised sequence's token counts."""
 
-    def __init__(self, vocab: int, device: str):
+    def __init__(self, vocab: int, device: str, masks: MaskFiller | None = None):
         self.vocab, self.device = vocab, device
+        self._masks = masks or MaskFiller()
         self._slots: dict[int, int] = {}  # seq id -> its row of the count tables
         self._free: list[int] = []
         self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # completion
@@ -68,8 +70,9 @@ class RowProcessor:
                                   to_device(values, torch.float32, self.device))
         masked = [i for i in todo if rows[i].sampling.processing.grammar is not None]
         if masked:
-            allowed = np.stack([rows[i].sampling.processing.grammar.bitmask(
-                self._generated(rows[i], in_flight), vocab) for i in masked])
+            allowed = self._masks.bitmasks(
+                [(rows[i].sampling.processing.grammar, self._generated(rows[i], in_flight))
+                 for i in masked], vocab)
             bits = to_device(allowed, torch.uint8, self.device)
             bits = ((bits.unsqueeze(-1) >> torch.arange(8, device=x.device, dtype=torch.uint8))
                     & 1).view(len(masked), -1)[:, :vocab].bool()

@@ -5,6 +5,7 @@ grammar beside rows without one leaves each with the tokens it gets alone."""
 import json
 
 import jsonschema
+import numpy as np
 import pytest
 
 from engines.base import SamplingParams
@@ -82,3 +83,32 @@ def test_a_forced_tool_call_names_a_tool_with_valid_arguments(tiny_dirs, kind):
         for call in calls:
             schema = next(t.parameters for t in tools if t.name == call["function"]["name"])
             jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+@pytest.mark.parametrize("vocab", [257, 300])
+def test_masks_filled_for_a_batch_are_each_grammar_s_own(tiny_dirs, vocab):
+    """MaskFiller computes a batch's masks on llguidance's threads: each is what its state
+    says alone, bits past the tokenizer's vocabulary clear; a matcher gone wrong allows only
+    the end."""
+    from engines.grammar import GrammarState, MaskFiller
+
+    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
+    grammar = json_schema_grammar(SCHEMA)
+    histories = [[], tok.encode('{"ok": '), tok.encode('{"ok": true, "kind": "'),
+                 tok.encode("xyz")]
+    end = min(tok.eos_token_ids)
+
+    def states():
+        return [GrammarState(grammar, tok.grammar_vocabulary(), frozenset({end}))
+                for _ in histories]
+
+    alone = [s.bitmask(h, vocab) for s, h in zip(states(), histories)]
+    together = MaskFiller().bitmasks(list(zip(states(), histories)), vocab)
+    assert together.shape == (len(histories), -(-vocab // 8))
+    for mine, theirs in zip(together, alone):
+        assert np.array_equal(mine, theirs)
+    bits = np.unpackbits(together, axis=1, bitorder="little")
+    brace, x = tok.encode("{")[0], tok.encode("x")[0]
+    assert bits[0, brace] and not bits[0, x] and bits[0].sum() == 1
+    assert bits[2].sum() > 1 and not bits[:, tok.grammar_vocabulary().vocab_size:].any()
+    assert bits[3].nonzero()[0].tolist() == [end]  # "xyz" broke the matcher

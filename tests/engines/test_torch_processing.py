@@ -8,7 +8,7 @@ import torch
 
 from engines.base import SamplingParams
 from engines.processing import Processing
-from engines.runtime.plan import RowSampling, ScheduledSeq
+from engines.runtime.plan import PENDING, RowSampling, ScheduledSeq
 from engines.torch_engine.processing import RowProcessor
 
 VOCAB = 16
@@ -81,20 +81,32 @@ class Mask:
     def __init__(self, allowed):
         self.allowed = allowed
 
-    def bitmask(self, generated, vocab):
-        bits = np.zeros(-(-vocab // 8) * 8, dtype=bool)
-        bits[self.allowed] = True
-        return np.packbits(bits, bitorder="little")
+
+class Masks:
+    """A MaskFiller stand-in for Mask grammars; keeps what each call was asked."""
+
+    def __init__(self):
+        self.asked = []
+
+    def bitmasks(self, rows, vocab):
+        self.asked.append([generated for _, generated in rows])
+        out = np.zeros((len(rows), -(-vocab // 8) * 8), dtype=bool)
+        for i, (mask, _) in enumerate(rows):
+            out[i, mask.allowed] = True
+        return np.packbits(out, axis=1, bitorder="little")
 
 
 @pytest.mark.parametrize("vocab", [16, 21])
 def test_grammar_masks_of_the_batch_go_over_in_one_and_mask_their_own_rows(vocab):
-    proc = RowProcessor(vocab, "cpu")
+    masks = Masks()
+    proc = RowProcessor(vocab, "cpu", masks)
     params = SamplingParams(max_tokens=8)
     logits = torch.randn(3, vocab)
-    rows = [row(0, params, [0], [], Mask([1, 20 % vocab])), row(1, params, [0], []),
-            row(2, params, [0], [], Mask([0, 9]))]
-    x, _ = proc.apply(logits, rows)
+    rows = [row(0, params, [0], [3], Mask([1, 20 % vocab])), row(1, params, [0], []),
+            row(2, params, [0], [4, 5], Mask([0, 9]))]
+    rows[2].tokens = (PENDING,)  # its last token is in flight
+    x, _ = proc.apply(logits, rows, in_flight={2: 6}.__getitem__)
+    assert masks.asked == [[[3], [4, 5, 6]]]  # once for the batch; the token in flight joins
     assert torch.isfinite(x[0]).nonzero().view(-1).tolist() == sorted({1, 20 % vocab})
     assert torch.equal(x[1], logits[1])
     assert torch.isfinite(x[2]).nonzero().view(-1).tolist() == [0, 9]
