@@ -103,3 +103,8 @@ def test_embed_task_runs_on_either_engine_from_a_real_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="task 'embed' needs a real checkpoint"):
         load_models_file(write(tmp_path, dummy))
 
+
+def test_repository_embedding_model_is_a_zip_in_its_package():
+    spec = next(s for s in load_models_file(REPO_MODELS_FILE) if s.task == "embed")
+    assert spec.id == "all-minilm-l6-v2" and spec.source == "package:all_minilm_l6_v2/model.zip"
+    assert find_package_file(spec.source_ref).name == "model.zip"
