@@ -3,6 +3,7 @@ against a live duet on loopback, both engines, checked against sentence-transfor
 from the same extracted directory (offline)."""
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import openai
@@ -106,6 +107,15 @@ def test_raw_base64_is_little_endian_float32(server, reference):
         "model": MODEL, "input": SHORT[0], "encoding_format": "base64"}).json()
     vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     assert vector.shape == (384,) and 1 - cosines([vector], reference[:1])[0] < COSINE_TOLERANCE
+
+
+def test_concurrent_clients_each_get_their_own_vectors(client, reference):
+    """Requests from several clients queue on the engine's worker; none disturbs another."""
+    jobs = [(TEXTS[i % 5], i % 5) for i in range(10)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: embed(client, "torch", [job[0], TEXTS[5]]), jobs))
+    for (_, i), resp in zip(jobs, answers):
+        assert 1 - cosines([resp.data[0].embedding], reference[i:i + 1])[0] < COSINE_TOLERANCE
 
 
 def test_models_of_the_wrong_task_are_refused_by_name(client):
