@@ -66,6 +66,11 @@ def test_dimensions_keeps_the_first_ones_at_length_one(client):
     assert vector.tolist() == body["data"][0]["embedding"]
 
 
+def test_null_options_mean_their_defaults(client):
+    body = post(client, input="hello", encoding_format=None, dimensions=None, user=None)
+    np.testing.assert_allclose(body["data"][0]["embedding"], expected("hello"), rtol=1e-6)
+
+
 def test_token_ids_are_embedded_like_their_text(client):
     ids = list(b"hello")
     one = post(client, input=ids)
