@@ -129,6 +129,26 @@ class ClassificationResult:
 
 
 @dataclass(frozen=True)
+class EmbedParams:
+    """One embedding request: each input a text, or token ids of a text as the model's
+    tokenizer writes it without special tokens (the engine adds those, as it does for text)."""
+
+    inputs: tuple[str | tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """vectors: float32 numpy array [inputs, dimension], in the inputs' order; tokens: how
+    many tokens each input was embedded from (after truncation, special tokens included);
+    normalized: the vectors have length 1 (the model ends in a Normalize module)."""
+
+    vectors: object
+    tokens: tuple[int, ...]
+    normalized: bool
+    stats: RequestStats
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     engine: str
     device: str
@@ -238,5 +258,22 @@ class Engine(Protocol):
     def classify(
         self, params: ClassifyParams, should_stop: StopCheck | None = None
     ) -> ClassificationResult: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """What an engine of an embed model provides (engines/embed.py). Calls may come from
+    several threads; the engine runs one at a time."""
+
+    name: str
+    info: EngineInfo
+    dimension: int  # of the vectors
+    vocab_size: int  # token ids in [0, vocab_size) are valid inputs
+    max_tokens: int  # an input is truncated to this many tokens, special tokens included
+
+    def embed(self, params: EmbedParams, should_stop: StopCheck | None = None
+              ) -> EmbeddingResult: ...
 
     def close(self) -> None: ...

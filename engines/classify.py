@@ -95,10 +95,15 @@ PIECE_TOKENS_MAX = 1024
 
 
 class Pacer:
-    """Sizes pieces of scoring work from the speed measured so far."""
+    """Sizes pieces of scoring work from the speed measured so far to take `seconds` each:
+    `first` tokens before any speed is known, never more than `most` (by default this
+    module's figures)."""
 
-    def __init__(self) -> None:
-        self.size = min(PIECE_TOKENS_FIRST, PIECE_TOKENS_MAX)
+    def __init__(self, first: int | None = None, most: int | None = None,
+                 seconds: float | None = None) -> None:
+        self.most = PIECE_TOKENS_MAX if most is None else most
+        self.size = min(PIECE_TOKENS_FIRST if first is None else first, self.most)
+        self.seconds = PIECE_SECONDS if seconds is None else seconds
 
     @contextmanager
     def piece(self, tokens: int):
@@ -107,7 +112,7 @@ class Pacer:
         yield
         seconds = time.perf_counter() - started
         if seconds > 0:
-            self.size = max(1, min(PIECE_TOKENS_MAX, int(tokens / seconds * PIECE_SECONDS)))
+            self.size = max(1, min(self.most, int(tokens / seconds * self.seconds)))
 
     def spans(self, n: int, weight: int = 1) -> Iterator[tuple[int, int]]:
         """[0, n) as consecutive (start, end) pieces, each as large as the pacer says when it

@@ -28,8 +28,9 @@ class ModelSpec(BaseModel):
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     source: str = Field(
         description=(
-            "package:MODULE/FILE.gguf (a GGUF file shipped in an installed Python package), "
-            "path:/a/model/dir (a local Hugging Face-style directory), "
+            "package:MODULE/FILE.gguf or package:MODULE/FILE.zip (a GGUF file, or a zip of a "
+            "model directory, shipped in an installed Python package), "
+            "path:/a/model/dir (a local Hugging Face-style directory, a .gguf or a .zip), "
             "hf:org/name (a Hugging Face id, resolved from the local HF cache only), "
             "dummy:SHAPE (random weights of a known shape, for benchmarks)"
         )
@@ -37,22 +38,23 @@ class ModelSpec(BaseModel):
     engine: Literal["torch", "mlx", "auto"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     context_length: int = Field(default=4096, ge=16, le=1 << 20)
-    task: Literal["generate", "classify"] = Field(
+    task: Literal["generate", "classify", "embed"] = Field(
         "generate",
         description=(
             "generate: a causal LM for chat and text completions (and zero-shot "
-            "classification); classify: a *ForSequenceClassification checkpoint"
+            "classification); classify: a *ForSequenceClassification checkpoint; embed: a "
+            "BERT sentence-embedding model (sentence-transformers' layout) for /v1/embeddings"
         ),
     )
     description: str = ""
 
     @model_validator(mode="after")
-    def _classify_runs_on_torch(self) -> "ModelSpec":
+    def _task_rules(self) -> "ModelSpec":
         if self.task == "classify" and self.engine == "mlx":
             raise ValueError("task 'classify' models run on the torch engine: set engine to "
                              "torch or auto")
-        if self.task == "classify" and self.source_kind == "dummy":
-            raise ValueError("task 'classify' needs a real checkpoint, not a dummy: source")
+        if self.task in ("classify", "embed") and self.source_kind == "dummy":
+            raise ValueError(f"task '{self.task}' needs a real checkpoint, not a dummy: source")
         return self
 
     @field_validator("source")

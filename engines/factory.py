@@ -6,7 +6,7 @@ import importlib.util
 import platform
 from pathlib import Path
 
-from .base import BackendMissing, Engine, UnsupportedModel
+from .base import BackendMissing, Embedder, Engine, UnsupportedModel
 
 ENGINE_NAMES = ("torch", "mlx")
 # engine -> (module that must be importable, pyproject extra that installs it)
@@ -53,11 +53,21 @@ def create_engine(
     task: str = "generate",
     runtime_options: dict | None = None,
     **torch_options,
-) -> Engine:
+) -> Engine | Embedder:
     """runtime_options (kv_cache_memory, max_batch, max_prefill_tokens) go to either generating
     engine; torch_options (device, compile, mps_memory_fraction) to the torch engine only.
-    A classify model (a sequence-classification checkpoint) runs on the torch engine only."""
+    A classify model (a sequence-classification checkpoint) runs on the torch engine only; an
+    embed model (a BERT sentence encoder) on either."""
     require_backend(name)
+    if task == "embed":
+        if name == "torch":
+            from .torch_engine.embedder import torch_embedder
+
+            return torch_embedder(model_dir, context_length=context_length, dtype=dtype,
+                                  **torch_options)
+        from .mlx_engine.embedder import mlx_embedder
+
+        return mlx_embedder(model_dir, context_length=context_length, dtype=dtype)
     if task == "classify":
         if name != "torch":
             raise UnsupportedModel("classify models (sequence-classification checkpoints) run on "

@@ -10,10 +10,14 @@ import math
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from .base import (
     ClassificationResult,
     ClassifyParams,
     ContinuationScores,
+    EmbeddingResult,
+    EmbedParams,
     EngineInfo,
     InputClassification,
     LabelScore,
@@ -245,6 +249,50 @@ class FakeClassifier:
             device="cpu", finish_reason="stop", total_s=1e-3,
         )
         return ClassificationResult(tuple(results), stats)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEmbedder:
+    """A stand-in for an embed model: tokens are UTF-8 bytes framed by 256 and 257 (a [CLS]
+    and a [SEP]), at most max_tokens of them; a vector is the normalised count of each byte
+    value modulo the dimension, plus one, so that the same text always gets the same vector."""
+
+    vocab_size = 258
+
+    def __init__(self, name: str = "torch", dimension: int = 8, max_tokens: int = 16):
+        self.name = name
+        self.dimension = dimension
+        self.max_tokens = max_tokens
+        self.calls: list[EmbedParams] = []
+        self.info = EngineInfo(engine=name, device="cpu", dtype="none",
+                               context_length=max_tokens, backend_version="fake 0",
+                               extra={"task": "embed"})
+
+    def tokens(self, x: str | Sequence[int]) -> list[int]:
+        ids = list(x.encode("utf-8")) if isinstance(x, str) else list(x)
+        return [256, *ids[: self.max_tokens - 2], 257]
+
+    def vector(self, tokens: Sequence[int]) -> list[float]:
+        counts = [1.0] * self.dimension
+        for t in tokens:
+            counts[t % self.dimension] += 1.0
+        norm = math.sqrt(sum(c * c for c in counts))
+        return [c / norm for c in counts]
+
+    def embed(self, params: EmbedParams, should_stop=None) -> EmbeddingResult:
+        check_stop(should_stop)
+        self.calls.append(params)
+        tokens = [self.tokens(x) for x in params.inputs]
+        vectors = np.array([self.vector(t) for t in tokens], dtype=np.float32)
+        n = sum(len(t) for t in tokens)
+        stats = RequestStats(
+            prompt_tokens=n, completion_tokens=0, ttft_s=1e-3, prefill_tokens_per_s=n / 1e-3,
+            decode_tokens_per_s=0.0, peak_memory_bytes=1, kv_cache_bytes=0, engine=self.name,
+            device="cpu", finish_reason="stop", total_s=1e-3,
+        )
+        return EmbeddingResult(vectors, tuple(len(t) for t in tokens), True, stats)
 
     def close(self) -> None:
         pass

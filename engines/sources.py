@@ -10,6 +10,7 @@ from .base import EngineError
 from .config import ModelSpec
 from .dummy import write_dummy_model
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
+from .model_zip import EXTRACTOR_VERSION, extract_model_zip
 
 CACHE_ENV = "DUET_CACHE_DIR"
 
@@ -57,6 +58,22 @@ def _from_gguf(spec: ModelSpec, gguf_path: Path, root: Path, show_progress: bool
         raise ModelSourceError(f"model '{spec.id}': cannot convert {gguf_path}: {exc}") from exc
 
 
+def _from_zip(spec: ModelSpec, zip_path: Path, root: Path) -> Path:
+    size = zip_path.stat().st_size
+    target = root / "models" / f"{spec.id.replace('/', '--')}-{size}-zip-v{EXTRACTOR_VERSION}"
+    try:
+        return extract_model_zip(zip_path, target)
+    except ValueError as exc:
+        raise ModelSourceError(f"model '{spec.id}': cannot extract {zip_path}: {exc}") from exc
+
+
+def _from_file(spec: ModelSpec, path: Path, root: Path, show_progress: bool) -> Path:
+    """A GGUF file is converted, a zip of a model directory extracted, once into the cache."""
+    if path.suffix == ".zip":
+        return _from_zip(spec, path, root)
+    return _from_gguf(spec, path, root, show_progress)
+
+
 def _from_hf_cache(repo_id: str) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -76,7 +93,7 @@ def resolve_model_dir(spec: ModelSpec, root: Path | None = None, show_progress: 
     root = root or cache_root()
     kind, ref = spec.source_kind, spec.source_ref
     if kind == "package":
-        return _from_gguf(spec, find_package_file(ref), root, show_progress)
+        return _from_file(spec, find_package_file(ref), root, show_progress)
     if kind == "hf":
         return _from_hf_cache(ref)
     if kind == "dummy":
@@ -85,8 +102,8 @@ def resolve_model_dir(spec: ModelSpec, root: Path | None = None, show_progress: 
         except ValueError as exc:
             raise ModelSourceError(f"model '{spec.id}': {exc}") from exc
     path = Path(ref).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(spec, path, root, show_progress)
+    if path.is_file() and path.suffix in (".gguf", ".zip"):
+        return _from_file(spec, path, root, show_progress)
     if not (path / "config.json").is_file():
         raise ModelSourceError(
             f"model '{spec.id}': local directory '{path}' does not exist or has no config.json"

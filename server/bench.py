@@ -28,7 +28,7 @@ from engines.bench.systems import REFERENCES, ReferenceTarget
 from engines.factory import backend_available, backend_missing
 from engines.sources import resolve_model_dir
 
-from .errors import APIError, bad_request, from_engine_error
+from .errors import APIError, bad_request, from_engine_error, wrong_task
 from .protocol import Text
 from .registry import ModelRegistry
 from .settings import Settings
@@ -238,7 +238,7 @@ class BenchService:
         check_limits(req, self.settings)
         spec = self.registry.spec(req.model or self.default_model)
         if spec.task != "generate":
-            raise bad_request(f"model '{spec.id}' is a {spec.task} model", param="model")
+            raise wrong_task(spec.id, spec.task, ("generate",))
         factory = self.registry.factory
         engines = req.engines or [n for n in factory.names if factory.available(n)]
         if not engines:

@@ -13,7 +13,7 @@ from engines.base import ClassifyParams, Engine, EngineError, StopCheck, Unsuppo
 from engines.config import ModelSpec
 
 from .classify_protocol import ClassificationRequest, classification_response
-from .errors import bad_request, echo, from_engine_error
+from .errors import bad_request, echo, from_engine_error, wrong_task
 from .registry import ModelRegistry
 from .settings import Settings
 
@@ -43,6 +43,8 @@ class ClassificationService:
         return JSONResponse(classification_response(spec.id, result))
 
     def _params(self, req: ClassificationRequest, spec: ModelSpec) -> ClassifyParams:
+        if spec.task not in ("generate", "classify"):
+            raise wrong_task(spec.id, spec.task, ("generate", "classify"))
         inputs = self._inputs(req)
         if spec.task == "classify":
             for name in _ZERO_SHOT_ONLY:

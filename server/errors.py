@@ -68,6 +68,22 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+# Where each task's models are served, for the error that sends a request to the right route.
+TASK_ROUTES = {
+    "generate": "/v1/chat/completions, /v1/completions and /v1/classifications (zero-shot)",
+    "classify": "/v1/classifications",
+    "embed": "/v1/embeddings",
+}
+
+
+def wrong_task(model: str, task: str, wanted: tuple[str, ...]) -> APIError:
+    """A model used on a route of another task: 400 naming its task and where it is served."""
+    kinds = " or ".join(f"'{w}'" for w in wanted)
+    return bad_request(
+        f"model '{model}' has task '{task}' and is served on {TASK_ROUTES.get(task, '?')}; "
+        f"this route needs a task {kinds} model", param="model")
+
+
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down and stopped this request before it ended",
                     type="server_error", code="server_shutting_down",

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.base import Engine, EngineError, RequestStats, Step, check_context
 
-from .errors import APIError, bad_request, from_engine_error
+from .errors import APIError, bad_request, from_engine_error, wrong_task
 from .choices import Choice, merged
 from .logprobs import LogprobsFormat
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -81,7 +81,7 @@ class GenerationService:
     ):
         spec = self.registry.spec(req.model)
         if spec.task != "generate":
-            raise bad_request(f"model '{spec.id}' is a {spec.task} model", param="model")
+            raise wrong_task(spec.id, spec.task, ("generate",))
         try:
             worker = await self.registry.worker(spec.id, req.engine)
             engine = worker.engine

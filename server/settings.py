@@ -122,6 +122,10 @@ class Settings(BaseSettings):
     max_label_chars: int = Field(
         100, ge=1, le=10_000, description="POST /v1/classifications: longest label, in characters"
     )
+    max_embedding_inputs: int = Field(
+        2048, ge=1, le=100_000, description="POST /v1/embeddings: most inputs per request "
+                                            "(OpenAI's limit is 2048)"
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

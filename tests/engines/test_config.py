@@ -93,3 +93,18 @@ def test_classify_task_must_run_on_torch(tmp_path):
         load_models_file(write(tmp_path, GOOD + 'task = "classify"\nengine = "mlx"\n'))
     (spec,) = load_models_file(write(tmp_path, GOOD + 'task = "classify"\n'))
     assert spec.task == "classify"
+
+
+def test_embed_task_runs_on_either_engine_from_a_real_checkpoint(tmp_path):
+    for engine in ("torch", "mlx", "auto"):
+        (spec,) = load_models_file(write(tmp_path, GOOD + f'task = "embed"\nengine = "{engine}"\n'))
+        assert (spec.task, spec.engine) == ("embed", engine)
+    dummy = GOOD.replace("path:/nowhere", "dummy:llama-3.2-1b") + 'task = "embed"\n'
+    with pytest.raises(ConfigError, match="task 'embed' needs a real checkpoint"):
+        load_models_file(write(tmp_path, dummy))
+
+
+def test_repository_embedding_model_is_a_zip_in_its_package():
+    spec = next(s for s in load_models_file(REPO_MODELS_FILE) if s.task == "embed")
+    assert spec.id == "all-minilm-l6-v2" and spec.source == "package:all_minilm_l6_v2/model.zip"
+    assert find_package_file(spec.source_ref).name == "model.zip"

@@ -1,7 +1,7 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.fake import FakeClassifier, FakeEngine
+from engines.fake import FakeClassifier, FakeEmbedder, FakeEngine
 from server.app import create_app
 from server.settings import Settings
 
@@ -16,6 +16,11 @@ context_length = 512
 id = "sorter"
 source = "path:/unused"
 task = "classify"
+
+[[models]]
+id = "embedder"
+source = "path:/unused"
+task = "embed"
 """
 
 
@@ -32,8 +37,8 @@ class FakeFactory:
         return name in self._available
 
     def create(self, name, spec):
-        if spec.task == "classify":
-            engine = FakeClassifier(name)
+        if spec.task in ("classify", "embed"):
+            engine = FakeClassifier(name) if spec.task == "classify" else FakeEmbedder(name)
             self.engines[f"{spec.id}-{name}"] = engine
             return engine
         engine = self.engine_class(name, context_length=spec.context_length, **self.engine_kwargs)

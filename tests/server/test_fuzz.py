@@ -52,7 +52,7 @@ def fuzz_operation(operation, mode, statuses: dict[int, int]) -> int:
               deadline=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=st.tuples(operation.as_strategy(generation_mode=mode),
-                          st.sampled_from(["tiny", "tiny", "tiny", "sorter", None]))
+                          st.sampled_from(["tiny", "tiny", "tiny", "sorter", "embedder", None]))
            .map(with_served_model))
     def fuzz(case):
         nonlocal ran
