@@ -1,7 +1,18 @@
 from fastapi import APIRouter
 
-from . import bench, chat, classifications, completions, health, metrics, models, tokenize
+from . import (
+    bench,
+    chat,
+    classifications,
+    completions,
+    health,
+    metrics,
+    models,
+    responses,
+    tokenize,
+)
 
 router = APIRouter()
-for module in (health, metrics, models, chat, completions, classifications, bench, tokenize):
+for module in (health, metrics, models, chat, completions, responses, classifications, bench,
+               tokenize):
     router.include_router(module.router)
