@@ -11,10 +11,11 @@ async def create(body: ResponsesRequest, request: Request):
     return await create_response(request.app.state.service, body)
 
 
-# duet keeps no responses: what would read, cancel or delete a stored one says so.
-@router.get("/v1/responses/{response_id}", tags=["generation"])
-@router.delete("/v1/responses/{response_id}", tags=["generation"])
-@router.get("/v1/responses/{response_id}/input_items", tags=["generation"])
-@router.post("/v1/responses/{response_id}/cancel", tags=["generation"])
+# duet keeps no responses: what would read, cancel or delete a stored one says so. Left out
+# of the OpenAPI schema: they serve nothing.
+@router.get("/v1/responses/{response_id}", include_in_schema=False)
+@router.delete("/v1/responses/{response_id}", include_in_schema=False)
+@router.get("/v1/responses/{response_id}/input_items", include_in_schema=False)
+@router.post("/v1/responses/{response_id}/cancel", include_in_schema=False)
 async def stored(response_id: str):
     raise not_stored(response_id)
