@@ -47,6 +47,8 @@ STATEFUL = {
     "conversation": "duet stores no conversations: send the whole conversation in 'input'",
     "prompt": "duet stores no prompt templates: send 'instructions' and 'input'",
 }
+# Nullable in the Responses API, where null means the default.
+NULL_IS_DEFAULT = ("temperature", "top_p")
 ITEM_KINDS = {"message": "Message", "function_call": "FunctionCall",
               "function_call_output": "FunctionCallOutput"}
 PART_TYPES = ("input_text", "output_text", "refusal")
@@ -221,6 +223,8 @@ class ResponsesRequest(GenerationFields):
         serve, refused by name before the fields' own checks."""
         if not isinstance(data, dict):
             return data
+        if any(data.get(name, 0) is None for name in NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
         for name, why in STATEFUL.items():
             if data.get(name) is not None:
                 raise _refused(name, why)

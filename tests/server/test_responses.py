@@ -265,7 +265,8 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(make_client
     {"context_management": []}, {"service_tier": "auto"}, {"prompt_cache_key": "k"},
     {"safety_identifier": "s"}, {"stream_options": {"include_obfuscation": False}},
     {"text": {"format": {"type": "text"}, "verbosity": "low"}}, {"tool_choice": "none"},
-    {"temperature": 0, "top_p": 0.5, "seed": 1}, {"max_tool_calls": 3}, {"tools": []},
+    {"temperature": 0, "top_p": 0.5, "seed": 1}, {"temperature": None, "top_p": None},
+    {"max_output_tokens": None}, {"instructions": None}, {"max_tool_calls": 3}, {"tools": []},
 ])
 def test_what_asks_for_nothing_duet_lacks_is_accepted(client, extra):
     resp = client.post(URL, json={**ASK, **extra})
