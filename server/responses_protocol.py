@@ -59,6 +59,14 @@ def _refused(name: str, why: str) -> PydanticCustomError:
                                {"name": name, "why": why})
 
 
+def _kind(value: dict, name: str, default: str | None = None) -> str | None:
+    """An object's `type`, which must be a string when it is there; name: its param."""
+    kind = value.get("type", default)
+    if kind is not None and not isinstance(kind, str):
+        raise PydanticCustomError("invalid_value", "the type must be a string", {"name": name})
+    return kind
+
+
 class ContentPart(Strict):
     """A message's text part: input_text and output_text (an earlier answer's) carry `text`,
     refusal its `refusal`; annotations, logprobs and the like are ignored."""
@@ -117,8 +125,8 @@ class FunctionCallOutputItem(Strict):
 
 
 def _item_kind(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return ITEM_KINDS.get(value.get("type", "message"))
+    if isinstance(value, dict) and isinstance(kind := value.get("type", "message"), str):
+        return ITEM_KINDS.get(kind)
     return None
 
 
@@ -156,7 +164,8 @@ def _tag(tags: dict[str, str]) -> Callable[[Any], str | None]:
     param's path) are told apart by a dict's `type`, or by what the value is."""
     def tag(value: Any) -> str | None:
         if isinstance(value, dict):
-            return tags.get(value.get("type"))
+            kind = value.get("type")
+            return tags.get(kind) if isinstance(kind, str) else None
         return tags.get(type(value).__name__)
 
     return tag
@@ -232,27 +241,28 @@ class ResponsesRequest(GenerationFields):
         for i, item in enumerate(items if isinstance(items, list) else []):
             if not isinstance(item, dict):
                 raise PydanticCustomError(
-                    "invalid_value", "{name} must be an object: a message or a function_call "
+                    "invalid_value", "an item must be an object: a message or a function_call "
                     "or function_call_output item", {"name": f"input[{i}]"})
-            kind = item.get("type", "message")
+            kind = _kind(item, f"input[{i}].type", "message")
             if kind not in ITEM_KINDS:
                 why = ("duet stores no items: send them whole" if kind == "item_reference" else
                        "duet takes messages, function_call and function_call_output items")
                 raise _refused(f"input[{i}].type", f"{str(kind)[:64]!r} items ({why})")
             content = item.get("content") if kind == "message" else item.get("output")
             for j, part in enumerate(content if isinstance(content, list) else []):
-                if isinstance(part, dict) and part.get("type") not in PART_TYPES:
-                    field = "content" if kind == "message" else "output"
-                    raise _refused(f"input[{i}].{field}[{j}].type",
+                field = "content" if kind == "message" else "output"
+                where = f"input[{i}].{field}[{j}].type"
+                if isinstance(part, dict) and _kind(part, where) not in PART_TYPES:
+                    raise _refused(where,
                                    f"{str(part.get('type'))[:64]!r} parts (duet takes text: "
                                    "input_text, output_text, refusal)")
         tools = data.get("tools")
         for i, tool in enumerate(tools if isinstance(tools, list) else []):
-            if isinstance(tool, dict) and tool.get("type") != "function":
+            if isinstance(tool, dict) and _kind(tool, f"tools[{i}].type") != "function":
                 raise _refused(f"tools[{i}].type", f"{str(tool.get('type'))[:64]!r} tools "
                                "(duet serves function tools only)")
         choice = data.get("tool_choice")
-        if isinstance(choice, dict) and choice.get("type") != "function":
+        if isinstance(choice, dict) and _kind(choice, "tool_choice.type") != "function":
             raise _refused("tool_choice.type", f"{str(choice.get('type'))[:64]!r} (duet takes "
                            "'none', 'auto', 'required' or a function)")
         return data
@@ -261,7 +271,7 @@ class ResponsesRequest(GenerationFields):
     def _as_chat(self):
         """The conversation as chat messages, the tools as chat's, the grammar."""
         if isinstance(self.input, list) and not 1 <= len(self.input) <= MAX_MESSAGES:
-            raise PydanticCustomError("invalid_value", "{name} must hold 1 to {most} items",
+            raise PydanticCustomError("invalid_value", "a list of 1 to {most} items is needed",
                                       {"name": "input", "most": MAX_MESSAGES})
         self._messages = conversation(self.instructions, self.input)
         choice = self.tool_choice
@@ -340,7 +350,7 @@ def conversation(instructions: str | None, items: str | list) -> list[ChatMessag
         else:
             if item.call_id not in calls:
                 raise PydanticCustomError(
-                    "invalid_value", "{name}: no function_call item before it has the call_id "
+                    "invalid_value", "no function_call item before it has the call_id "
                     "'{call_id}' (duet is stateless: send the call with its output)",
                     {"name": f"input[{i}].call_id", "call_id": item.call_id[:64]})
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
