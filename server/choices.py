@@ -59,10 +59,9 @@ class Choice:
             return text, None
         return text, self.scores.of_prompt(ids, scores)
 
-    def chunks(self, shape: ResponseShape, batch: list, include_usage: bool) -> list[str]:
-        """The SSE events of a batch of this choice's events; the last carries its
-        finish_reason when the batch ends with the stats."""
-        out = []
+    def advance(self, batch: list) -> Progress:
+        """What a batch of this choice's events adds; with its last batch (the stats), the
+        held-back text parsed into calls and the text around them."""
         steps = [e for e in batch if isinstance(e, Step)]
         echoed = self._echo(steps)
         text = "".join(e.text for e in steps)
@@ -70,28 +69,51 @@ class Choice:
             text = self.holder.feed(text)
         if echoed is not None:
             text = echoed[0] + text
+        logprobs = None
         if self.scores is not None:  # every token's scores, its text shown or held back
             logprobs = joined(echoed[1] if echoed else None, self.scores.of(steps))
-            if text or logprobs:
-                out.append(sse(shape.chunk(text, include_usage=include_usage, logprobs=logprobs,
-                                           index=self.index)))
-        elif text:
-            out.append(shape.text_event(text, include_usage, self.index))
-        stats = batch[-1] if batch and isinstance(batch[-1], RequestStats) else None
-        if stats is not None:
-            called = False
+        progress = Progress(text, logprobs)
+        if batch and isinstance(batch[-1], RequestStats):
+            progress.stats = batch[-1]
             if self.holder is not None:
-                rest, calls = parse_calls(self.holder.held, {t.name for t in self.tools.tools})
-                if rest:
-                    out.append(sse(shape.chunk(rest, include_usage=include_usage,
-                                               index=self.index)))
-                for i, call in enumerate(calls):  # each call whole, in a chunk of its own
-                    out.append(sse(shape.chunk(include_usage=include_usage, index=self.index,
-                                               tool_calls=[{"index": i, **call}])))
-                called = bool(calls)
-            out.append(sse(shape.chunk(stats=stats, include_usage=include_usage, called=called,
-                                       index=self.index)))
+                progress.rest, progress.calls = parse_calls(self.holder.held,
+                                                            {t.name for t in self.tools.tools})
+        return progress
+
+    def chunks(self, shape: ResponseShape, batch: list, include_usage: bool) -> list[str]:
+        """The SSE events of a batch of this choice's events; the last carries its
+        finish_reason when the batch ends with the stats."""
+        out = []
+        p = self.advance(batch)
+        if self.scores is not None:
+            if p.text or p.logprobs:
+                out.append(sse(shape.chunk(p.text, include_usage=include_usage,
+                                           logprobs=p.logprobs, index=self.index)))
+        elif p.text:
+            out.append(shape.text_event(p.text, include_usage, self.index))
+        if p.stats is not None:
+            if p.rest:
+                out.append(sse(shape.chunk(p.rest, include_usage=include_usage,
+                                           index=self.index)))
+            for i, call in enumerate(p.calls):  # each call whole, in a chunk of its own
+                out.append(sse(shape.chunk(include_usage=include_usage, index=self.index,
+                                           tool_calls=[{"index": i, **call}])))
+            out.append(sse(shape.chunk(stats=p.stats, include_usage=include_usage,
+                                       called=bool(p.calls), index=self.index)))
         return out
+
+
+@dataclass
+class Progress:
+    """A batch of a choice's events, taken in: the text that may be shown now and its tokens'
+    log-probabilities (those of held-back text too); with the last batch, its stats and, with
+    tools, the held-back text that is no call (rest) and the calls (OpenAI's chat shape)."""
+
+    text: str
+    logprobs: dict | None
+    stats: RequestStats | None = None
+    rest: str | None = None
+    calls: list[dict] = field(default_factory=list)
 
 
 async def merged(choices: list[Choice], firsts: list[list]) -> AsyncIterator[tuple[Choice, list]]:

@@ -298,9 +298,10 @@ ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat,
                            Field(discriminator="type")]
 
 
-def response_grammar(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None) -> str | None:
+def response_grammar(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None,
+                     name: str = "response_format") -> str | None:
     """The grammar a response format asks for (None: free text). A schema llguidance cannot
-    follow is a 400 naming what it lacks."""
+    follow is a 400 naming what it lacks; name: the request's field that holds the format."""
     if fmt is None or isinstance(fmt, TextFormat):
         return None
     schema = fmt.json_schema.schema_ if isinstance(fmt, JSONSchemaFormat) else None
@@ -309,7 +310,35 @@ def response_grammar(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | Non
     except GrammarError as exc:
         raise PydanticCustomError(
             "invalid_value", "{name}: this schema cannot be followed: {why}",
-            {"name": "response_format", "why": str(exc)[:300]}) from None
+            {"name": name, "why": str(exc)[:300]}) from None
+
+
+def generation_grammar(tools: ToolUse | None,
+                       fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None,
+                       name: str = "response_format") -> str | None:
+    """The grammar of a chat-shaped request: its forced tool calls', else its format's. A forced
+    call with a JSON format is a 400 naming the format's field (name)."""
+    if tools is not None and tools.forced:
+        if fmt is not None and not isinstance(fmt, TextFormat):
+            raise PydanticCustomError(
+                "invalid_value", "{name} cannot be combined with a tool_choice that forces "
+                "a call", {"name": name})
+        return tools.grammar
+    return response_grammar(fmt, name)
+
+
+def template_messages(messages: list[ChatMessage], tools: ToolUse | None,
+                      native_tools: bool) -> list[dict]:
+    """Messages for the model's chat template. native_tools: the template renders tools, calls
+    and results itself; else the tools join the system message as text."""
+    out = [m.for_template(native_tools) for m in messages]
+    if tools is not None and not native_tools:
+        offer = fallback_system_text(tools.tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{offer}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": offer})
+    return out
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -329,15 +358,7 @@ class ChatCompletionRequest(GenerationFields):
         # Compiled once here: a schema that cannot be followed is refused before any work.
         self._tool_use = tool_use(self.tools or [], self.tool_choice,
                                   self.parallel_tool_calls is not False)
-        if self._tool_use is not None and self._tool_use.forced:
-            if self.response_format is not None and not isinstance(self.response_format,
-                                                                   TextFormat):
-                raise PydanticCustomError(
-                    "invalid_value", "{name} cannot be combined with a tool_choice that forces "
-                    "a call", {"name": "response_format"})
-            self._grammar_text = self._tool_use.grammar
-        else:
-            self._grammar_text = response_grammar(self.response_format)
+        self._grammar_text = generation_grammar(self._tool_use, self.response_format)
         return self
 
     def grammar(self) -> str | None:
@@ -374,17 +395,8 @@ class ChatCompletionRequest(GenerationFields):
         return self.max_completion_tokens or self.max_tokens
 
     def template_messages(self, native_tools: bool) -> list[dict]:
-        """The messages for the model's chat template. native_tools: the template renders
-        tools, calls and results itself; else the tools join the system message as text."""
-        messages = [m.for_template(native_tools) for m in self.messages]
-        if self._tool_use is not None and not native_tools:
-            offer = fallback_system_text(self._tool_use.tools)
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {**messages[0],
-                               "content": f"{messages[0]['content']}\n\n{offer}".strip()}
-            else:
-                messages.insert(0, {"role": "system", "content": offer})
-        return messages
+        """The messages for the model's chat template (see template_messages)."""
+        return template_messages(self.messages, self._tool_use, native_tools)
 
     def template_tools(self) -> list[dict] | None:
         return None if self._tool_use is None else [t.for_template()

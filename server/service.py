@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from contextlib import aclosing
+from typing import NamedTuple, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.base import Engine, EngineError, RequestStats, Step, check_context
 
-from .errors import APIError, bad_request, from_engine_error, wrong_task
 from .choices import Choice, merged
+from .errors import APIError, bad_request, from_engine_error, wrong_task
 from .logprobs import LogprobsFormat
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from .registry import ModelRegistry
@@ -35,19 +35,8 @@ class GenerationService:
         self.observer = observer
 
     async def chat(self, req: ChatCompletionRequest):
-        def prompts(engine: Engine) -> list[list[int]]:
-            native = engine.tokenizer.template_takes_tools
-            messages = req.template_messages(native)
-            try:
-                return [engine.apply_chat_template(messages,
-                                                   req.template_tools() if native else None)]
-            except ValueError as exc:  # a model without a chat template
-                raise bad_request(str(exc), param="messages") from exc
-            except Exception as exc:  # the template itself rejected the conversation
-                raise bad_request(f"the chat template failed: {exc}", param="messages") from exc
-
-        return await self._generate(req, prompts, "messages", chat=True, inline=False,
-                                    tools=req.tool_use)
+        return await self._generate(req, chat_prompts(req, "messages"), "messages", chat=True,
+                                    inline=False, tools=req.tool_use)
 
     async def completion(self, req: CompletionRequest):
         def prompts(engine: Engine) -> list[list[int]]:
@@ -79,6 +68,30 @@ class GenerationService:
         inline: bool,
         tools: ToolUse | None = None,
     ):
+        started = await self.start(req, prompts_of, prompt_param, chat=chat, inline=inline,
+                                   tools=tools)
+        choices = started.choices
+        shape = ResponseShape(chat=chat, model=started.model)
+        if req.stream:
+            return await self._stream_response(choices, shape, req, prompt_param)
+        done = await collect_all(choices, prompt_param)
+        return JSONResponse(shape.full([c.whole(shape, steps, stats)
+                                        for c, (steps, stats) in zip(choices, done)],
+                                       [stats for _, stats in done], req.n))
+
+    async def start(
+        self,
+        req: GenerationFields,
+        prompts_of: Callable[[Engine], list[list[int]]],
+        prompt_param: str,
+        *,
+        chat: bool,
+        inline: bool,
+        tools: ToolUse | None = None,
+    ) -> Started:
+        """The request's choices, each a generation in its engine's batch: prompts made (on a
+        thread unless inline), checked against the context, the worker asked. Their events are
+        for the caller to read and close."""
         spec = self.registry.spec(req.model)
         if spec.task != "generate":
             raise wrong_task(spec.id, spec.task, ("generate",))
@@ -109,20 +122,7 @@ class GenerationService:
                    None if params.logprobs is None else LogprobsFormat(chat, engine.tokenizer),
                    tools, echoes[i])
             for i, (prompt, params) in enumerate(runs)]
-        shape = ResponseShape(chat=chat, model=spec.id)
-        if req.stream:
-            return await self._stream_response(choices, shape, req, prompt_param)
-        tasks = [asyncio.create_task(_collect(c.events, prompt_param)) for c in choices]
-        try:
-            done = await asyncio.gather(*tasks)
-        except BaseException:  # one failed: the others leave the batch now, not at their end
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return JSONResponse(shape.full([c.whole(shape, steps, stats)
-                                        for c, (steps, stats) in zip(choices, done)],
-                                       [stats for _, stats in done], req.n))
+        return Started(spec.id, choices)
 
     async def _observed(self, events: AsyncIterator, model: str, engine: str) -> AsyncIterator:
         try:
@@ -146,18 +146,7 @@ class GenerationService:
 
     async def _stream_response(self, choices: list[Choice], shape: ResponseShape,
                                req: GenerationFields, prompt_param: str) -> StreamingResponse:
-        # Wait for each choice's first event so a failure before any token is an HTTP error,
-        # not a 200.
-        try:
-            firsts = [await anext(c.events) for c in choices]
-        except BaseException as exc:
-            await _close(choices)
-            if isinstance(exc, EngineError):
-                raise from_engine_error(exc, prompt_param) from exc
-            if isinstance(exc, APIError) or not isinstance(exc, Exception):
-                raise
-            log.exception("generation failed before its first token")
-            raise APIError(500, f"generation failed: {exc}", type="server_error") from exc
+        firsts = await first_events(choices, prompt_param)
         include_usage = req.include_usage
 
         async def body() -> AsyncIterator[str]:
@@ -183,13 +172,72 @@ class GenerationService:
                 log.exception("generation failed mid-stream")
                 yield sse(shape.error_event(f"generation failed: {exc}"))
             finally:
-                await _close(choices)
+                await close_all(choices)
             yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _close(choices: list[Choice]) -> None:
+class Started(NamedTuple):
+    model: str  # the served model's id
+    choices: list[Choice]
+
+
+def chat_prompts(req: ChatShaped,
+                 param: str) -> Callable[[Engine], list[list[int]]]:
+    """The prompt of a chat-shaped request, through the engine's chat template; param: the
+    request's field that a template failure is blamed on."""
+    def prompts(engine: Engine) -> list[list[int]]:
+        native = engine.tokenizer.template_takes_tools
+        messages = req.template_messages(native)
+        try:
+            return [engine.apply_chat_template(messages,
+                                               req.template_tools() if native else None)]
+        except ValueError as exc:  # a model without a chat template
+            raise bad_request(str(exc), param=param) from exc
+        except Exception as exc:  # the template itself rejected the conversation
+            raise bad_request(f"the chat template failed: {exc}", param=param) from exc
+
+    return prompts
+
+
+class ChatShaped(Protocol):
+    """What a request that renders through the chat template offers (chat's, Responses')."""
+
+    def template_messages(self, native_tools: bool) -> list[dict]: ...
+
+    def template_tools(self) -> list[dict] | None: ...
+
+
+async def first_events(choices: list[Choice], prompt_param: str) -> list[list]:
+    """Each choice's first batch of events, waited for before a stream's 200 so that a failure
+    before any token is an HTTP error; on a failure every choice is closed."""
+    try:
+        return [await anext(c.events) for c in choices]
+    except BaseException as exc:
+        await close_all(choices)
+        if isinstance(exc, EngineError):
+            raise from_engine_error(exc, prompt_param) from exc
+        if isinstance(exc, APIError) or not isinstance(exc, Exception):
+            raise
+        log.exception("generation failed before its first token")
+        raise APIError(500, f"generation failed: {exc}", type="server_error") from exc
+
+
+async def collect_all(choices: list[Choice],
+                      prompt_param: str) -> list[tuple[list[Step], RequestStats]]:
+    """Every choice's steps and stats, read together; one failure ends the others now."""
+    tasks = [asyncio.create_task(_collect(c.events, prompt_param)) for c in choices]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:  # one failed: the others leave the batch now, not at their end
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def close_all(choices: list[Choice]) -> None:
     """Every choice's generation ends: a finished one's close is a no-op, an unfinished one
     leaves the batch at the engine's next step."""
     for choice in choices:

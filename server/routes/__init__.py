@@ -9,10 +9,11 @@ from . import (
     health,
     metrics,
     models,
+    responses,
     tokenize,
 )
 
 router = APIRouter()
-for module in (health, metrics, models, chat, completions, classifications, embeddings, bench,
-               tokenize):
+for module in (health, metrics, models, chat, completions, responses, classifications,
+               embeddings, bench, tokenize):
     router.include_router(module.router)

@@ -317,3 +317,58 @@ def test_echo_scores_a_continuation_as_lm_eval_asks(client, hf_tokenizer):
         got = sum(lp.token_logprobs[len(context):])
         assert got == pytest.approx(expected, abs=1e-3 if engine == "torch" else 0.05), engine
         assert resp.choices[0].text == hf_tokenizer.decode(ids)
+
+
+# The Responses API (client.responses), on the same live server.
+
+RESPONSE_WEATHER = {"type": "function", "name": "get_weather", "strict": True,
+                    "description": WEATHER_TOOL["function"]["description"],
+                    "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_responses_answer_as_chat_does_and_stream_the_same(client, engine):
+    ask = {"model": MODEL, "input": QUESTION[0]["content"], "temperature": 0,
+           "max_output_tokens": 16, "extra_body": {"engine": engine}}
+    resp = client.responses.create(**ask)
+    assert resp.output_text == chat(client, engine, max_tokens=16).choices[0].message.content
+    assert "Paris" in resp.output_text and resp.status in ("completed", "incomplete")
+    assert resp.usage.output_tokens > 0 and resp.model_extra["metrics"]["engine"] == engine
+    events = list(client.responses.create(**ask, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{resp.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == resp.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == resp.usage.output_tokens
+
+
+def test_responses_forced_tool_call_streams_the_same_and_its_output_goes_back(client):
+    """On the torch engine (the tools' prompt is slow to prefill on MLX's CPU backend)."""
+    import jsonschema
+
+    ask = {"model": MODEL, "input": ASK_WEATHER, "tools": [RESPONSE_WEATHER],
+           "tool_choice": "required", "temperature": 0, "max_output_tokens": 80,
+           "extra_body": {"engine": "torch"}}
+    resp = client.responses.create(**ask)
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    jsonschema.validate(json.loads(calls[0].arguments), RESPONSE_WEATHER["parameters"])
+    done = [e.item for e in client.responses.create(**ask, stream=True)
+            if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
+    # The call and its result go back, whole: duet keeps nothing between requests.
+    follow = ASK_WEATHER + [item.model_dump(exclude_none=True) for item in resp.output] + [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "18 degrees, sunny"}
+        for c in calls]
+    second = client.responses.create(model=MODEL, input=follow, tools=[RESPONSE_WEATHER],
+                                     temperature=0, max_output_tokens=16,
+                                     extra_body={"engine": "torch"})
+    assert second.output_text or any(item.type == "function_call" for item in second.output)
+
+
+def test_responses_parse_follows_the_clients_model(client):
+    """text_format: the client sends a strict json_schema text.format (torch engine)."""
+    resp = client.responses.parse(
+        model=MODEL, input="Describe Paris as JSON.", text_format=City, temperature=0,
+        max_output_tokens=120, extra_body={"engine": "torch"})
+    assert isinstance(resp.output_parsed, City) and resp.output_parsed.kind in ("capital", "other")
