@@ -7,7 +7,8 @@ feature in turn (so a slow spell of the machine hits them all alike): N clients 
 chat completion of --max-tokens tokens (greedy, end of sequence ignored) on a distinct prompt
 of about --prompt-tokens tokens. Features:
 
-  none       plain decoding: the baseline
+  none       plain greedy decoding: the baseline
+  sampling   temperature 0.8, top_p 0.95 and a seed (not a processing step: the draw)
   logprobs   logprobs with top_logprobs 5 on every token
   penalties  presence_penalty and frequency_penalty 0.5
   bias       logit_bias on 16 tokens
@@ -40,6 +41,7 @@ _NEVER_CLOSES = {"type": "object", "properties": {"text": {"type": "string",
                  "required": ["text"], "additionalProperties": False}
 FEATURES: dict[str, dict] = {
     "none": {},
+    "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 1},
     "logprobs": {"logprobs": True, "top_logprobs": 5},
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
     "bias": {"logit_bias": {str(i): 1.0 for i in range(1000, 1016)}},

@@ -16,6 +16,7 @@ from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
 from .processing import RowProcessor
 from .sampling import sample_rows, score_tokens, token_logprobs
+from .transfer import ReadBack
 
 
 def prefill_attention(device: str):
@@ -130,34 +131,3 @@ class TorchExecutor:
     def close(self) -> None:
         self._last = None
         self._processor = RowProcessor(self.model.args.vocab_size, self.device)
-
-
-class ReadBack:
-    """A step's token ids to the host without stalling the device: on CUDA an asynchronous
-    copy into one of two pinned buffers and an event, waited on only when the ids are read
-    (by then the device is running the next step). Two buffers, since step N+1's copy is
-    queued before step N's ids are read. Elsewhere the ids are read at once."""
-
-    def __init__(self, device: str, capacity: int = 1024):
-        self.cuda = device.startswith("cuda")
-        self._buffers = [torch.zeros(capacity, dtype=torch.long, pin_memory=True)
-                         for _ in range(2)] if self.cuda else []
-        self._turn = 0
-
-    def start(self, tokens: torch.Tensor):
-        if not self.cuda or tokens.numel() > self._buffers[0].numel():
-            return tokens.tolist()
-        buffer = self._buffers[self._turn][: tokens.numel()]
-        self._turn ^= 1
-        buffer.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return buffer, done
-
-    @staticmethod
-    def finish(pending) -> list[int]:
-        if isinstance(pending, list):
-            return pending
-        buffer, done = pending
-        done.synchronize()
-        return buffer.tolist()

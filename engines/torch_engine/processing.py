@@ -16,15 +16,7 @@ import torch
 
 from ..grammar import MaskFiller
 from ..runtime.plan import PENDING, ScheduledSeq
-
-
-def to_device(values, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A host list or array as a tensor on the device, copied without waiting for the device
-    (from pinned memory): a plain copy would wait for the steps queued before it."""
-    host = torch.as_tensor(values, dtype=dtype)
-    if not device.startswith("cuda"):
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+from .transfer import to_device
 
 
 class RowProcessor:

@@ -8,6 +8,7 @@ import torch
 
 from ..base import TokenLogprobs
 from ..runtime.plan import ScheduledSeq
+from .transfer import to_device
 
 ARGMAX_CHUNK = 1024
 
@@ -60,35 +61,36 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Ten
     if not sampled:
         return greedy
     device = logits.device
-    pick = torch.tensor(sampled, device=device)
+    pick = to_device(sampled, torch.long, device)
     settings = [rows[i].sampling for i in sampled]
     v = logits.shape[-1]
     x = logits.index_select(0, pick).float()
-    x = x / torch.tensor([[s.temperature] for s in settings], device=device)
+    x = x / to_device([[s.temperature] for s in settings], torch.float32, device)
     if any(s.min_p > 0.0 for s in settings):
         # log(0) = -inf: a row without min_p keeps every token.
-        floor = torch.log(torch.tensor([[s.min_p] for s in settings], device=device))
+        floor = torch.log(to_device([[s.min_p] for s in settings], torch.float32, device))
         x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     ks = [s.top_k if 0 < s.top_k < v else 0 for s in settings]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=device))
-        kth = torch.where(torch.tensor([[k > 0] for k in ks], device=device), kth, float("-inf"))
+        kth = top.gather(1, to_device([[max(k, 1) - 1] for k in ks], torch.long, device))
+        kth = torch.where(to_device([[k > 0] for k in ks], torch.bool, device), kth,
+                          float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if any(s.top_p < 1.0 for s in settings):
         # A row without top_p gets a threshold no cumulative sum reaches.
-        top_p = torch.tensor([[s.top_p if s.top_p < 1.0 else 2.0] for s in settings],
-                             device=device)
+        top_p = to_device([[s.top_p if s.top_p < 1.0 else 2.0] for s in settings],
+                          torch.float32, device)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # Keep a token while the tokens ranked above it hold less than top_p: the fewest
         # tokens whose mass reaches top_p (the most likely one always stays).
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     # Seeds are folded into uint64 by the protocol; int64 holds the same bits.
-    seeds = torch.tensor([s.seed - (1 << 64) if s.seed >= 1 << 63 else s.seed for s in settings],
-                         device=device)
-    draws = torch.tensor([rows[i].draws for i in sampled], device=device)
+    seeds = to_device([s.seed - (1 << 64) if s.seed >= 1 << 63 else s.seed for s in settings],
+                      torch.long, device)
+    draws = to_device([rows[i].draws for i in sampled], torch.long, device)
     # Exponential race (Gumbel-max in disguise): argmax of p / E with E ~ Exp(1) draws each
     # token with probability p, and needs no multinomial (no sync, no cumulative search).
     noise = -torch.log(row_uniforms(seeds, draws, v))
@@ -139,7 +141,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     (after the row's processing, before temperature and the other filters) at the token it got,
     and its k most likely tokens."""
     asked = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
-    pick = torch.tensor(asked, device=logits.device)
+    pick = to_device(asked, torch.long, logits.device)
     return _scored(logits.index_select(0, pick), tokens.index_select(0, pick),
                    [rows[i].seq_id for i in asked], [rows[i].sampling.logprobs for i in asked])
 

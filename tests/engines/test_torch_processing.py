@@ -110,3 +110,11 @@ def test_grammar_masks_of_the_batch_go_over_in_one_and_mask_their_own_rows(vocab
     assert torch.isfinite(x[0]).nonzero().view(-1).tolist() == sorted({1, 20 % vocab})
     assert torch.equal(x[1], logits[1])
     assert torch.isfinite(x[2]).nonzero().view(-1).tolist() == [0, 9]
+
+
+def test_to_device_keeps_values_and_type_on_the_cpu():
+    from engines.torch_engine.transfer import to_device
+
+    out = to_device([[1.5], [2.0]], torch.float32, torch.device("cpu"))
+    assert out.dtype == torch.float32 and out.device.type == "cpu"
+    assert out.view(-1).tolist() == [1.5, 2.0]

@@ -1,0 +1,50 @@
+"""Host values to the device and tokens back, without making the host wait for the device's
+queued work: a step's small tensors are copied from pinned memory behind the work before them,
+and its picks come back the same way."""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A host list or array as a tensor on the device, copied without waiting for the device
+    (from pinned memory): a plain copy would wait for the steps queued before it."""
+    host = torch.as_tensor(values, dtype=dtype)
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return host
+    if kind != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class ReadBack:
+    """A step's token ids to the host without stalling the device: on CUDA an asynchronous
+    copy into one of two pinned buffers and an event, waited on only when the ids are read
+    (by then the device is running the next step). Two buffers, since step N+1's copy is
+    queued before step N's ids are read. Elsewhere the ids are read at once."""
+
+    def __init__(self, device: str, capacity: int = 1024):
+        self.cuda = device.startswith("cuda")
+        self._buffers = [torch.zeros(capacity, dtype=torch.long, pin_memory=True)
+                         for _ in range(2)] if self.cuda else []
+        self._turn = 0
+
+    def start(self, tokens: torch.Tensor):
+        if not self.cuda or tokens.numel() > self._buffers[0].numel():
+            return tokens.tolist()
+        buffer = self._buffers[self._turn][: tokens.numel()]
+        self._turn ^= 1
+        buffer.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buffer, done
+
+    @staticmethod
+    def finish(pending) -> list[int]:
+        if isinstance(pending, list):
+            return pending
+        buffer, done = pending
+        done.synchronize()
+        return buffer.tolist()
