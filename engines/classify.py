@@ -32,7 +32,10 @@ from .base import (
 )
 
 CONTENT_FREE_INPUT = ""
-DEFAULT_INSTRUCTION = "Classify the text."
+# Chosen on tests/data/sentiment_dev.jsonl among five label-agnostic wordings with calibration
+# on (the default model: 16 of 16 there, 46 of 48 on the held-out sentiment.jsonl); the old
+# "Classify the text." gave 10 of 16 and put nearly every text in the same label.
+DEFAULT_INSTRUCTION = "Read the text and choose the label that describes it best."
 
 
 def user_message(instruction: str | None, labels: Sequence[str], text: str) -> str:

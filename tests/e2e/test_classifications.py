@@ -39,9 +39,10 @@ def probabilities(body):
     return [[s["probability"] for s in d["scores"]] for d in body["data"]]
 
 
-def test_torch_sentiment_accuracy_is_at_least_80_percent(server):
+def test_torch_sentiment_accuracy_is_at_least_80_percent_without_an_instruction(server):
+    """The default instruction (chosen on tests/data/sentiment_dev.jsonl, not on these)."""
     body = classify(server, input=[r["text"] for r in ROWS], labels=["positive", "negative"],
-                    instruction=INSTRUCTION, engine="torch")
+                    engine="torch")
     correct = sum(d["label"] == r["label"] for d, r in zip(body["data"], ROWS))
     assert correct / len(ROWS) >= 0.8, f"torch: {correct}/{len(ROWS)}"
     for d in body["data"]:
