@@ -60,6 +60,9 @@ class ChatTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
         self._byte_level: bool | None = None  # GPT-2's byte-to-character map; found on first use
+        # token id -> its bytes, filled as logprobs name tokens: a stream asks for six or more a
+        # token, and the HTTP side's time per token is what 64 streams of logprobs wait on.
+        self._bytes: dict[int, bytes] = {}
 
     def __getstate__(self) -> dict:
         # Sent to the HTTP side when the engine runs in its own process; a lock does not pickle,
@@ -149,6 +152,16 @@ class ChatTokenizer:
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes (what OpenAI's logprobs report): a token may hold part of a
         character, which decoding it alone would turn into U+FFFD."""
+        known = self._bytes
+        try:
+            return [known[i] for i in ids]
+        except KeyError:
+            pass
+        out = self._spell(ids)
+        known.update(zip(ids, out))
+        return out
+
+    def _spell(self, ids: Sequence[int]) -> list[bytes]:
         with self._lock:
             pieces = self._tok.convert_ids_to_tokens(list(ids))
             if self._byte_level is None:

@@ -12,8 +12,8 @@ of about --prompt-tokens tokens. Features:
   logprobs   logprobs with top_logprobs 5 on every token
   penalties  presence_penalty and frequency_penalty 0.5
   bias       logit_bias on 16 tokens
-  grammar    response_format json_schema: one string property of at least 100,000
-             characters, so the mask never lets the JSON close within --max-tokens
+  grammar    response_format json_schema: a list of at least 1,000 {"name", "score"}
+             objects, so the mask never lets the JSON close within --max-tokens
 
 Prints a table of median aggregate tok/s per feature and level, and each one's ratio to plain
 decoding at the same level; writes JSON under docs/bench/.
@@ -36,9 +36,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_concurrency import prompts_for, run_level, start_server  # noqa: E402
 
-_NEVER_CLOSES = {"type": "object", "properties": {"text": {"type": "string",
-                                                            "minLength": 100_000}},
-                 "required": ["text"], "additionalProperties": False}
+_ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                         "score": {"type": "integer"}},
+         "required": ["name", "score"], "additionalProperties": False}
+_NEVER_CLOSES = {"type": "object", "properties": {"items": {"type": "array", "minItems": 1000,
+                                                            "items": _ITEM}},
+                 "required": ["items"], "additionalProperties": False}
 FEATURES: dict[str, dict] = {
     "none": {},
     "sampling": {"temperature": 0.8, "top_p": 0.95, "seed": 1},
@@ -46,7 +49,7 @@ FEATURES: dict[str, dict] = {
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
     "bias": {"logit_bias": {str(i): 1.0 for i in range(1000, 1016)}},
     "grammar": {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "long_text", "schema": _NEVER_CLOSES}}},
+        "name": "scores", "schema": _NEVER_CLOSES}}},
 }
 
 

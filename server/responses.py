@@ -11,7 +11,6 @@ Nothing is stored: a response's id names no stored object (GET and DELETE answer
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -33,7 +32,7 @@ from .service import (
     collect_all,
     first_events,
 )
-from .streaming import metrics
+from .streaming import metrics, to_json
 
 log = logging.getLogger("duet.server")
 
@@ -103,7 +102,7 @@ class ResponseObject:
     def event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {to_json(payload)}\n\n"
 
 
 class OutputItems:

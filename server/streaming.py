@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
 
+import orjson
+
 from engines.base import RequestStats
 
 
+def to_json(payload: dict | str) -> str:
+    """A chunk as JSON text. orjson: a chunk with logprobs took 18 us with json.dumps, 1.3 with
+    orjson, and 64 streams of them kept the event loop behind the engine."""
+    return orjson.dumps(payload).decode()
+
+
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else to_json(payload)
     return f"data: {data}\n\n"
 
 
@@ -121,11 +128,10 @@ class ResponseShape:
         key = (include_usage, index)
         template = self._text_events.get(key)
         if template is None:
-            whole = json.dumps(self.chunk(_SLOT, include_usage=include_usage, index=index),
-                               ensure_ascii=False)
-            before, _, after = whole.partition(json.dumps(_SLOT))
+            whole = to_json(self.chunk(_SLOT, include_usage=include_usage, index=index))
+            before, _, after = whole.partition(to_json(_SLOT))
             template = self._text_events[key] = ("data: " + before, after + "\n\n")
-        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
+        return template[0] + to_json(text) + template[1]
 
     def usage_chunk(self, stats: list[RequestStats], n: int = 1) -> dict:
         return {**self._base(True), "choices": [], "usage": usage(stats, n),
