@@ -18,8 +18,15 @@ of about --prompt-tokens tokens. Features:
 Prints a table of median aggregate tok/s per feature and level, and each one's ratio to plain
 decoding at the same level; writes JSON under docs/bench/.
 
-  python scripts/bench_features.py --model smollm2-135m-instruct --clients 1,16,64 \\
-      --out docs/bench/features-smollm2-h100.json
+A grammar needs a real vocabulary, which the dummy models' word-level tokenizers lack:
+--dummy-shape SHAPE serves random weights of that shape (engines/dummy.py) with the default
+model's own tokenizer, from a model directory and registry file written under --work-dir (on a
+GPU machine without the default model's package, copy that directory over and pass its
+models.toml with --serve-args --config).
+
+  python scripts/bench_features.py --model smollm2-135m-instruct --clients 1,4,16
+  python scripts/bench_features.py --dummy-shape llama-3.2-1b --clients 1,16,64 \\
+      --out docs/bench/features-llama1b-smoltok-h100.json
 """
 
 from __future__ import annotations
@@ -53,6 +60,37 @@ FEATURES: dict[str, dict] = {
 }
 
 
+def dummy_with_real_tokenizer(shape: str, work_dir: Path) -> tuple[str, Path]:
+    """A model directory of `shape`'s random weights and the default model's tokenizer, and a
+    registry file serving it on the torch engine: (its model id, the registry file)."""
+    import shutil
+
+    from engines.config import load_models_file
+    from engines.dummy import DUMMY_FLAG, SHAPES
+    from engines.sources import resolve_model_dir
+
+    source = resolve_model_dir(load_models_file(ROOT / "models.toml")[0])
+    real = json.loads((source / "config.json").read_text())
+    model_id = f"{shape}-default-tokenizer"
+    target = work_dir / model_id
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, target / name)
+    config = {**SHAPES[shape], "vocab_size": real["vocab_size"], "hidden_act": "silu",
+              "bos_token_id": real["bos_token_id"], "eos_token_id": real["eos_token_id"],
+              "torch_dtype": "bfloat16", DUMMY_FLAG: True}
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    registry = work_dir / "models.toml"
+    # Relative to the repository (where the server starts) when inside it, so the directory
+    # and its registry can be carried to another machine's checkout.
+    where = target.resolve()
+    where = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
+    registry.write_text(f'[[models]]\nid = "{model_id}"\nsource = "path:{where}"\n'
+                        'engine = "torch"\ndtype = "auto"\ncontext_length = 2048\n')
+    return model_id, registry
+
+
 def chat_prompts(url: str, model: str, n: int, tokens: int) -> list[list[dict]]:
     """n distinct user messages of about `tokens` tokens: random ids, detokenized by the
     server, so they are text this model's tokenizer reads back to about as many tokens."""
@@ -68,7 +106,10 @@ def chat_prompts(url: str, model: str, n: int, tokens: int) -> list[list[dict]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dummy-shape", default=None,
+                   help="random weights of this shape with the default model's tokenizer")
+    p.add_argument("--work-dir", type=Path, default=ROOT / ".benchmodel")
     p.add_argument("--engine", default=None)
     p.add_argument("--url", default=None, help="an already running server")
     p.add_argument("--clients", default="1,16,64")
@@ -85,6 +126,11 @@ def main() -> int:
     p.add_argument("--device-name", default="", help="for the JSON and the table's title")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.dummy_shape:
+        args.model, registry = dummy_with_real_tokenizer(args.dummy_shape, args.work_dir)
+        args.serve_args += ["--config", str(registry)]
+    elif args.model is None:
+        p.error("--model or --dummy-shape")
     levels = [int(c) for c in args.clients.split(",")]
     features = args.features.split(",")
     unknown = set(features) - set(FEATURES)
