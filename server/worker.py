@@ -97,12 +97,12 @@ class EngineWorker:
     def runtime_status(self) -> dict | None:
         """The running batch and the KV pool, for a generating engine (None for others)."""
         pool = getattr(self.engine, "kv_pool", None)
-        runtime = self.loop.runtime
-        if pool is None or runtime is None:
+        status = self.loop.status()
+        if pool is None or status is None:
             return None
-        return {"batch": runtime.last_batch, "max_batch": self.engine.max_batch,
-                "step_ms": round(runtime.step_s * 1000, 3),
-                "engine_step_ms": round(runtime.execute_s * 1000, 3),
+        return {"batch": status.batch, "max_batch": self.engine.max_batch,
+                "step_ms": round(status.step_s * 1000, 3),
+                "engine_step_ms": round(status.execute_s * 1000, 3),
                 "kv_cache_used_bytes": pool.used_bytes, "kv_cache_bytes": pool.capacity_bytes,
                 "kv_cache_used_tokens": pool.used_blocks * pool.block_size,
                 "kv_cache_tokens": pool.capacity_tokens}

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..base import Cancelled, EngineClosed, StopCheck
+from .plan import RuntimeStatus
 from .runtime import Runtime, Submission
 
 log = logging.getLogger("duet.runtime")
@@ -137,6 +138,10 @@ class EngineLoop:
             self.runtime.close()
         if self._after is not None:
             self._after()
+
+    def status(self) -> RuntimeStatus | None:
+        """The runtime as of its last step (None for an engine that does not generate)."""
+        return None if self.runtime is None else self.runtime.status()
 
     def _busy(self) -> bool:
         return self.runtime is not None and self.runtime.has_work

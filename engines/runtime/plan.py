@@ -96,6 +96,18 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class RuntimeStatus:
+    """A runtime as of its last step, the same whether it runs in the server's process or in
+    an engine process of its own (which sends one with each batch of events): what /health and
+    /metrics show."""
+
+    batch: int = 0  # sequences running
+    step_s: float = 0.0  # running mean of a step's wall time
+    execute_s: float = 0.0  # running mean of the executor's share of it
+    kv_used_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class ExecutorTraits:
     """How an executor runs steps, as far as the runtime must know."""
 

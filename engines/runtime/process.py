@@ -11,7 +11,7 @@ The wire, one pipe each way:
   ("job", key, fn), ("close",). A stop is what the parent sees in a request's should_stop,
   forwarded when it first says so (checked on every message and every poll_s).
 - child -> parent: ("loaded", description) or ("failed", exc) once, then after every step or
-  job one ("events", items, status) with all that happened in it, and ("closed",) at the end.
+  job one ("events", items, RuntimeStatus) with all that happened in it, and ("closed",) at the end.
   A token travels as a plain tuple: a dataclass costs ten times as much to pickle, and at 64
   streams the child pickles 64 of them every 1-2 ms.
 Times (a request's arrival) are time.perf_counter(), one clock for every process on the machine.
@@ -34,6 +34,7 @@ from typing import Any
 from ..base import Cancelled, EngineClosed, EngineError, EngineInfo, Step, StopCheck
 from ..generation import PromptSide
 from .loop import EngineLoop
+from .plan import RuntimeStatus
 from .runtime import Submission
 
 log = logging.getLogger("duet.runtime")
@@ -51,15 +52,6 @@ def wants_process(mode: str, device: str) -> bool:
 
 class EngineProcessError(EngineClosed):
     """The engine's process ended under running work (killed, out of memory, a crash)."""
-
-
-@dataclass
-class RuntimeView:
-    """The child's runtime as of its last step, for /health and /metrics."""
-
-    last_batch: int = 0
-    step_s: float = 0.0
-    execute_s: float = 0.0
 
 
 @dataclass
@@ -200,12 +192,9 @@ class _Child:
             return
         self._put(("done", key, result))
 
-    def _status(self) -> tuple:
+    def _status(self) -> RuntimeStatus:
         runtime = self.loop.runtime
-        if runtime is None:
-            return (0, 0.0, 0.0, 0)
-        return (runtime.last_batch, runtime.step_s, runtime.execute_s,
-                runtime.scheduler.pool.used_blocks)
+        return RuntimeStatus() if runtime is None else runtime.status()
 
     def flush(self) -> None:
         """On the loop's thread after each step or job: everything since the last flush."""
@@ -262,7 +251,7 @@ class ProcessLoop:
     def __init__(self, name: str):
         self.name = name
         self.engine: RemoteEngine | None = None
-        self.runtime: RuntimeView | None = None
+        self._status: RuntimeStatus | None = None  # None: the engine does not generate
         self._keys = itertools.count()
         self._subs: dict[int, Submission] = {}
         self._jobs: dict[int, _Job] = {}
@@ -391,7 +380,7 @@ class ProcessLoop:
             return
         engine = RemoteEngine(**msg[1])
         self.engine = engine
-        self.runtime = RuntimeView() if hasattr(engine, "kv_pool") else None
+        self._status = RuntimeStatus() if hasattr(engine, "kv_pool") else None
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"engine-{self.name}-events")
         self._reader.start()
@@ -411,11 +400,15 @@ class ProcessLoop:
                 self._dispatch(msg[1], msg[2])
             self._forward_stops()
 
-    def _dispatch(self, items: list[tuple], status: tuple) -> None:
-        if self.runtime is not None:
-            view = self.runtime
-            view.last_batch, view.step_s, view.execute_s, used = status
-            self.engine.kv_pool.used_blocks = used
+    def status(self) -> RuntimeStatus | None:
+        """The child's runtime as of its last step (None for an engine that does not
+        generate)."""
+        return self._status
+
+    def _dispatch(self, items: list[tuple], status: RuntimeStatus) -> None:
+        if self._status is not None:
+            self._status = status
+            self.engine.kv_pool.used_blocks = status.kv_used_blocks
         subs, jobs = self._subs, self._jobs
         for item in items:
             kind, key = item[0], item[1]

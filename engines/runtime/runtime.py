@@ -18,7 +18,7 @@ from ..grammar import GrammarState
 from ..processing import Processing
 from .delivery import Delivery
 from .output import RequestOutput
-from .plan import RowSampling, StepPlan
+from .plan import RowSampling, RuntimeStatus, StepPlan
 from .scheduler import Scheduler, Sequence
 
 log = logging.getLogger("duet.runtime")
@@ -83,6 +83,10 @@ class Runtime:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._launched is not None
+
+    def status(self) -> RuntimeStatus:
+        return RuntimeStatus(self.last_batch, self.step_s, self.execute_s,
+                             self.scheduler.pool.used_blocks)
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or
