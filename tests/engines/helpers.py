@@ -45,3 +45,17 @@ def run_batch(engine, params, join_at, prompts=None):
         n += 1
         assert n < 500
     return [steps[i] for i in range(len(params))]
+
+
+def processing_rule(x, params, prompt, generated):
+    """engines/processing.py's rule written out plainly on one row of logits x (a numpy array
+    or a tensor, changed in place and returned): the repetition penalty on the raw logits, then
+    the bias and the completion's penalties added."""
+    if params.repetition_penalty != 1.0:
+        for t in set(prompt) | set(generated):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, b in params.logit_bias:
+        x[t] += b
+    for t in set(generated):
+        x[t] -= params.presence_penalty + params.frequency_penalty * list(generated).count(t)
+    return x

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engines.base import SamplingParams
-from tests.engines.helpers import PROMPTS, make_engine, run_batch
+from tests.engines.helpers import PROMPTS, make_engine, processing_rule, run_batch
 
 
 def greedy(**extra):
@@ -20,15 +20,7 @@ def reference(engine, prompt, generated, params):
     logits = np.asarray(engine.logits(list(prompt) + list(generated)), dtype=np.float64)
     rows = []
     for i in range(len(generated)):
-        x = logits[len(prompt) - 1 + i].copy()
-        before = list(generated[:i])
-        if params.repetition_penalty != 1.0:
-            for t in set(prompt) | set(before):
-                x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
-        for t, b in params.logit_bias:
-            x[t] += b
-        for t in set(before):
-            x[t] -= params.presence_penalty + params.frequency_penalty * before.count(t)
+        x = processing_rule(logits[len(prompt) - 1 + i].copy(), params, prompt, generated[:i])
         rows.append(x - np.logaddexp.reduce(x))
     return rows
 

@@ -10,6 +10,7 @@ from engines.base import SamplingParams
 from engines.processing import Processing
 from engines.runtime.plan import PENDING, RowSampling, ScheduledSeq
 from engines.torch_engine.processing import RowProcessor
+from tests.engines.helpers import processing_rule
 
 VOCAB = 16
 
@@ -18,18 +19,6 @@ def row(seq_id, params, prompt, generated, grammar=None):
     sampling = RowSampling.of(params, 0, Processing.of(params, grammar))
     return ScheduledSeq(seq_id, (0,), 0, (0,), True, sampling, len(generated),
                         history=(prompt, generated))
-
-
-def expected(logits, params, prompt, generated):
-    x = logits.clone()
-    if params.repetition_penalty != 1.0:
-        for t in set(prompt) | set(generated):
-            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
-    for t, b in params.logit_bias:
-        x[t] += b
-    for t in set(generated):
-        x[t] -= params.presence_penalty + params.frequency_penalty * generated.count(t)
-    return x
 
 
 def test_counts_follow_sampled_tokens_not_the_history_after_the_first_step():
@@ -47,7 +36,7 @@ def test_counts_follow_sampled_tokens_not_the_history_after_the_first_step():
         if token == 5 and generated == [3, 3]:
             rows[0] = row(7, params, prompt, list(generated))  # the first sight reads it
         x, counted = proc.apply(logits, rows)
-        assert torch.allclose(x[0], expected(logits[0], params, prompt, generated))
+        assert torch.allclose(x[0], processing_rule(logits[0].clone(), params, prompt, generated))
         assert torch.equal(x[1], logits[1])  # a row without processing is left alone
         proc.count(counted, torch.tensor([token, 0]))
         generated.append(token)
