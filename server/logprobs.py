@@ -50,9 +50,10 @@ class LogprobsFormat:
             self.offset += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [None if s is None else s.logprob for s in scores],
+            "token_logprobs": [None if s is None else _finite(s.logprob) for s in scores],
             "top_logprobs": [None if s is None else
-                             {**{_text(spelled[t]): lp for t, lp in s.top}, tokens[i]: s.logprob}
+                             {**{_text(spelled[t]): _finite(lp) for t, lp in s.top},
+                              tokens[i]: _finite(s.logprob)}
                              for i, s in enumerate(scores)],
             "text_offset": offsets,
         }
@@ -61,10 +62,20 @@ class LogprobsFormat:
     def _chat_entry(step: Step, spelled: dict[int, bytes]) -> dict:
         def entry(token: int, logprob: float) -> dict:
             raw = spelled[token]
-            return {"token": _text(raw), "logprob": logprob, "bytes": list(raw)}
+            return {"token": _text(raw), "logprob": _finite(logprob), "bytes": list(raw)}
 
         return {**entry(step.token_id, step.logprobs.logprob),
                 "top_logprobs": [entry(t, lp) for t, lp in step.logprobs.top]}
+
+
+# What a token that cannot come (masked by a grammar, banned by a bias of -100) is given
+# instead of -inf, which JSON cannot carry and OpenAI's clients would not parse (vLLM and
+# OpenAI give -9999.0 too).
+FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(FLOOR, logprob)
 
 
 def _text(raw: bytes) -> str:

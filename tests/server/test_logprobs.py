@@ -112,3 +112,35 @@ def test_max_tokens_zero_needs_echo(client):
     resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi",
                                                  "max_tokens": 0})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_token_that_cannot_come_is_given_minus_9999_not_infinity():
+    """A grammar's masked alternatives score -inf: JSON cannot carry it and OpenAI's clients
+    would not parse it; they read -9999.0, as OpenAI and vLLM give it."""
+    import json
+
+    from engines.base import Step, TokenLogprobs
+    from server.logprobs import LogprobsFormat
+    from server.streaming import to_json
+
+    class Bytes:
+        def token_bytes(self, ids):
+            return [bytes([65 + i % 26]) for i in ids]
+
+    step = Step(1, "B", logprobs=TokenLogprobs(float("-inf"), ((1, -0.5), (2, float("-inf")))))
+    chat = json.loads(to_json(LogprobsFormat(True, Bytes()).of([step])))
+    assert chat["content"][0]["logprob"] == -9999.0
+    assert [e["logprob"] for e in chat["content"][0]["top_logprobs"]] == [-0.5, -9999.0]
+    legacy = json.loads(to_json(LogprobsFormat(False, Bytes()).of([step])))
+    assert legacy["token_logprobs"] == [-9999.0] and legacy["top_logprobs"][0]["C"] == -9999.0
+
+
+def test_chunks_carry_numpy_numbers_as_numbers():
+    import json
+
+    import numpy as np
+
+    from server.streaming import to_json
+
+    assert json.loads(to_json({"a": np.float32(0.5), "b": np.int64(3), "c": [np.float64(2)]})) \
+        == {"a": 0.5, "b": 3, "c": [2.0]}
