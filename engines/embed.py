@@ -12,9 +12,11 @@ several threads from interleaving.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -27,10 +29,13 @@ from .base import (
     StopCheck,
     check_stop,
 )
+from .bert_config import BertShape, read_bert_shape
 from .classify import Pacer
 from .embed_tokenizer import EmbedTokenizer
 from .generation import MemoryMeter
-from .sentence_config import Pooling, SentenceConfig
+from .sentence_config import Pooling, SentenceConfig, read_sentence_config
+
+log = logging.getLogger("duet.engines.embed")
 
 # Padded tokens in the first batch, before any speed is known, and in any batch at most.
 BATCH_TOKENS_FIRST = 256
@@ -143,3 +148,24 @@ class Embedder:
 
     def close(self) -> None:
         self.encoder = None
+
+
+def load_embedder(name: str, model_dir: str | Path, *, context_length: int, device: str,
+                  dtype: str, backend_version: str, meter: MemoryMeter,
+                  encoder: Callable[[Path, BertShape], Encoder]) -> Embedder:
+    """An engine's Embedder for the model in model_dir, warmed up; encoder(model_dir, shape)
+    makes the engine's BERT. An input keeps at most context_length tokens, and never more than
+    the model's max_seq_length (sentence_bert_config.json) or its positions."""
+    model_dir = Path(model_dir)
+    shape = read_bert_shape(model_dir)
+    sentence = read_sentence_config(model_dir, shape.max_positions)
+    tokenizer = EmbedTokenizer(model_dir, min(context_length, sentence.max_tokens),
+                               sentence.lower_case)
+    log.info("embed model %s loaded on %s %s (%s): %d dimensions, %s pooling%s", model_dir,
+             name, device, dtype, shape.hidden_size, sentence.pooling,
+             ", normalised" if sentence.normalize else "")
+    embedder = Embedder(name, encoder(model_dir, shape), tokenizer, sentence,
+                        vocab_size=shape.vocab_size, device=device, dtype=dtype,
+                        backend_version=backend_version, meter=meter)
+    embedder.warm_up()
+    return embedder

@@ -138,14 +138,10 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(Strict):
-    """Responses' function tool: flat, without chat's `function` wrapper."""
+class FunctionTool(FunctionDef):
+    """Responses' function tool: chat's function, flat, without the `function` wrapper."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(Strict):

@@ -43,7 +43,7 @@ class TorchExecutor:
                                      processes_in_flight=True)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
-        self._last_read = None  # the last step's picks on their way to the host
+        self._last_read = None  # the same picks on their way to the host (ReadBack.start)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
 
@@ -88,20 +88,17 @@ class TorchExecutor:
                 scored = token_logprobs(whole, tokens, due)
             pending = self._readback.start(tokens)
             if self.pipelined:  # where the next step's PENDING rows find their tokens
-                index = {seq_id: i for i, seq_id in enumerate(ids)}
-                self._last = (tokens, index)
-                self._last_read = (pending, index)
+                self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
+                self._last_read = pending
             return ids, pending, scored, prompt_scores
 
     def _in_flight(self, seq_id: int) -> int:
         """The token the last step sampled for seq_id, on the host: a grammar's matcher needs
         it for this step's mask. Waits for that step alone; this step's forward is queued by
         then, so the device works while the host reads the token and computes the mask."""
-        pending, index = self._last_read
-        if not isinstance(pending, list):
-            pending = ReadBack.finish(pending)
-            self._last_read = (pending, index)
-        return pending[index[seq_id]]
+        if not isinstance(self._last_read, list):
+            self._last_read = ReadBack.finish(self._last_read)
+        return self._last_read[self._last[1][seq_id]]
 
     def collect(self, handle) -> StepOutput:
         ids, pending, scored, prompt_scores = handle

@@ -8,7 +8,7 @@ import torch
 
 from ..base import TokenLogprobs
 from ..runtime.plan import ScheduledSeq
-from .transfer import to_device
+from .transfer import ToHost, to_device
 
 ARGMAX_CHUNK = 1024
 
@@ -98,28 +98,18 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[ScheduledSeq]) -> torch.Ten
 
 
 class ScoredRows:
-    """The log-probabilities of a step's rows that asked for them, on their way to the host:
-    on CUDA copied into pinned memory behind the step's work, so that reading them (read(),
-    when the step is collected) waits for this step alone, not for the next one that a
-    pipelined executor has queued since."""
+    """The log-probabilities of a step's rows that asked for them, on their way to the host
+    (ToHost): reading them when the step is collected waits for this step alone, not for the
+    next one that a pipelined executor has queued since."""
 
     def __init__(self, seq_ids: list[int], chosen: torch.Tensor, top_values: torch.Tensor,
                  top_ids: torch.Tensor, ks: list[int]):
         self.seq_ids, self.ks = seq_ids, ks
-        self._done = None
-        if chosen.is_cuda:
-            chosen, top_values, top_ids = (
-                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                for t in (chosen, top_values, top_ids))
-            self._done = torch.cuda.Event()
-            self._done.record()
-        self.chosen, self.top_values, self.top_ids = chosen, top_values, top_ids
+        self._copy = ToHost(chosen, top_values, top_ids)
 
     def read(self) -> dict[int, TokenLogprobs]:
-        if self._done is not None:
-            self._done.synchronize()
-        chosen = self.chosen.tolist()
-        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        chosen, top_values, top_ids = self._copy.read()
+        chosen, values, ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
         return {
             seq_id: TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], values[i][:k])))
             for i, (seq_id, k) in enumerate(zip(self.seq_ids, self.ks))

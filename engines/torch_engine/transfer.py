@@ -19,6 +19,25 @@ def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class ToHost:
+    """Tensors copied to the host behind the work queued before them (on CUDA into pinned
+    memory, with an event); read() waits for that work alone, not for what was queued since."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._done = None
+        if tensors and tensors[0].is_cuda:
+            tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                            .copy_(t, non_blocking=True) for t in tensors)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._tensors = tensors
+
+    def read(self) -> tuple[torch.Tensor, ...]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._tensors
+
+
 class ReadBack:
     """A step's token ids to the host without stalling the device: on CUDA an asynchronous
     copy into one of two pinned buffers and an event, waited on only when the ids are read
