@@ -2,11 +2,12 @@
 engine's thread; this admits work against the queue bound and carries events back to asyncio.
 
 Generations join the loop's running batch; other units of work (a classification, a bench run)
-run whole between two steps. Each is a Job: admitted against the bound (max_batch running plus
-max_queue waiting), given a stop flag and a deadline (the request time limit, its wait
-included), and counted as pending until the engine thread has finished with it, not merely
-until its caller gave up. A caller that leaves or runs out of time sets the stop flag; the loop
-reads it at its next step and the sequence leaves the batch there.
+run one at a time between two steps, a classification with the batch stepping beside it. Each
+is a Job: admitted against the bound (max_batch running plus max_queue waiting), given a stop
+flag and a deadline (the request time limit, its wait included), and counted as pending until
+the engine thread has finished with it, not merely until its caller gave up. A caller that
+leaves or runs out of time sets the stop flag; the loop reads it at its next step and the
+sequence leaves the batch there.
 
 The loop runs on a thread of this process (EngineLoop) or, with process=True, in a child
 process of its own (engines/runtime/process.py), where the HTTP side's work does not hold up
@@ -33,6 +34,9 @@ from .errors import queue_full, request_timed_out
 
 T = TypeVar("T")
 JobKind = Literal["generation", "classification", "embedding", "bench"]
+# Jobs that only score with the model: running streams go on between their pieces. A bench run
+# measures the engine alone, so it keeps it whole.
+_BESIDE_BATCH: frozenset[JobKind] = frozenset({"classification", "embedding"})
 
 
 @dataclass(eq=False)
@@ -119,9 +123,10 @@ class EngineWorker:
 
     async def call(self, kind: JobKind, fn: Callable[[Engine, StopCheck], T], *,
                    bounded: bool = True, also_stop: threading.Event | None = None) -> T:
-        """fn(engine, should_stop) on the engine's thread as one job, between two steps. A
-        caller that is cancelled, or whose time runs out (504), stops the job at its next step;
-        either way the job stays pending until the engine is done with it. bounded=False admits
+        """fn(engine, should_stop) on the engine's thread as one job, between two steps (the
+        batch stepping beside it for the kinds that allow it). A caller that is cancelled, or
+        whose time runs out (504), stops the job at its next step; either way the job stays
+        pending until the engine is done with it. bounded=False admits
         past the queue bound (a bench's next run, which keeps at most one job queued);
         also_stop stops the job too once set. fn must pickle (a module-level function or a
         partial of one): the engine may run in another process."""
@@ -133,7 +138,8 @@ class EngineWorker:
         def on_start() -> None:
             job.started = time.monotonic()
 
-        future = self.loop.run_job(fn, should_stop, on_start)
+        future = self.loop.run_job(fn, should_stop, on_start,
+                                   beside_batch=kind in _BESIDE_BATCH)
         # Released once the engine is done with it, not when its caller gives up.
         future.add_done_callback(lambda _: self._release(job))
         done = asyncio.wrap_future(future)

@@ -1,7 +1,9 @@
 """One thread per loaded model. It owns the engine (MLX streams are thread-local; torch is
 happiest that way too) and alternates between the runtime's steps, which advance every running
-generation at once, and exclusive jobs (loading, a classification, a bench run, closing), which
-run whole between two steps in the order they came.
+generation at once, and jobs (loading, a classification, a bench run, closing), which run one
+at a time between two steps in the order they came. A job may let the batch go on beside it
+(a classification): then the running generations take a step each time the job asks whether
+to stop, which it does between two pieces of its work, so their streams do not wait for it.
 
 Other threads talk to it only through submit(), load(), run_job(), add() and close(); events
 flow back through each generation's emit callback, on this thread or on the runtime's delivery
@@ -64,15 +66,19 @@ class EngineLoop:
         return self.submit(build)
 
     def run_job(self, fn: Callable[[Any, StopCheck], Any], should_stop: StopCheck,
-                on_start: Callable[[], None] | None = None) -> Future:
+                on_start: Callable[[], None] | None = None, *, beside_batch: bool = False
+                ) -> Future:
         """fn(engine, should_stop) between two steps; Cancelled without running it if
-        should_stop already says so when its turn comes."""
+        should_stop already says so when its turn comes. beside_batch: the running batch takes
+        a step (and new generations join it) each time fn asks should_stop; fn must not
+        generate itself (it shares the runtime's thread, not its batch)."""
         def job():
             if should_stop():
                 raise Cancelled()
             if on_start is not None:
                 on_start()
-            return fn(self.engine, should_stop)
+            check = self._stepping(should_stop) if beside_batch else should_stop
+            return fn(self.engine, check)
 
         return self.submit(job)
 
@@ -142,6 +148,22 @@ class EngineLoop:
     def status(self) -> RuntimeStatus | None:
         """The runtime as of its last step (None for an engine that does not generate)."""
         return None if self.runtime is None else self.runtime.status()
+
+    def _stepping(self, should_stop: StopCheck) -> StopCheck:
+        """should_stop, which first admits what arrived and takes one step of the batch."""
+        def check() -> bool:
+            with self._wake:
+                new = list(self._new)
+                self._new.clear()
+            for sub in new:
+                self._admit(sub)
+            if self._busy():
+                self._step()
+                if self._after is not None:
+                    self.runtime.delivery.post(self._after)
+            return should_stop()
+
+        return check
 
     def _busy(self) -> bool:
         return self.runtime is not None and self.runtime.has_work

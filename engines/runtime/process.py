@@ -8,8 +8,8 @@ its loop in a spawned child, the way vLLM splits its engine core from its API se
 
 The wire, one pipe each way:
 - parent -> child: ("add", key, prompt_ids, params, arrival), ("stop", key),
-  ("job", key, fn), ("close",). A stop is what the parent sees in a request's should_stop,
-  forwarded when it first says so (checked on every message and every poll_s).
+  ("job", key, fn, beside_batch), ("close",). A stop is what the parent sees in a request's
+  should_stop, forwarded when it first says so (checked on every message and every poll_s).
 - child -> parent: ("loaded", description) or ("failed", exc) once, then after every step or
   job one ("events", items, RuntimeStatus) with all that happened in it, and ("closed",) at the end.
   A token travels as a plain tuple: a dataclass costs ten times as much to pickle, and at 64
@@ -150,9 +150,10 @@ class _Child:
             elif kind == "stop":
                 self._stopped.add(msg[1])
             elif kind == "job":
-                _, key, fn = msg
+                _, key, fn, beside_batch = msg
                 future = self.loop.run_job(fn, partial(self._is_stopped, key),
-                                           partial(self._put, ("start", key)))
+                                           partial(self._put, ("start", key)),
+                                           beside_batch=beside_batch)
                 future.add_done_callback(partial(self._job_done, key))
             elif kind == "close":
                 self.loop.close(self.engine)
@@ -291,8 +292,10 @@ class ProcessLoop:
             raise EngineProcessError(f"the {self.name} engine's process is gone: {exc}") from exc
 
     def run_job(self, fn: Callable[[Any, StopCheck], Any], should_stop: StopCheck,
-                on_start: Callable[[], None] | None = None) -> Future:
-        """fn(engine, should_stop) in the child between two steps; fn must pickle."""
+                on_start: Callable[[], None] | None = None, *, beside_batch: bool = False
+                ) -> Future:
+        """fn(engine, should_stop) in the child between two steps (EngineLoop.run_job's
+        beside_batch too); fn must pickle."""
         future: Future = Future()
         if should_stop():  # stopped before it was sent: the child would start it first
             future.set_exception(Cancelled())
@@ -304,7 +307,7 @@ class ProcessLoop:
             key = next(self._keys)
             self._jobs[key] = _Job(future, should_stop, on_start)
         try:
-            self._send(("job", key, fn))
+            self._send(("job", key, fn, beside_batch))
         except Exception as exc:  # fn does not pickle: a bug of ours, said plainly
             with self._lock:
                 self._jobs.pop(key, None)

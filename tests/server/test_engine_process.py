@@ -5,6 +5,7 @@ close, and a child that dies ends its requests with an error instead of leaving 
 after which the registry loads the engine anew."""
 
 import asyncio
+import itertools
 import os
 import pickle
 import signal
@@ -206,6 +207,41 @@ async def test_jobs_run_in_the_child_and_stop_when_asked():
             await worker.call("bench", lambda engine, stop: 1)  # a lambda does not pickle
         assert worker.pending == 0
     finally:
+        await worker.aclose(10)
+
+
+@pytest.mark.parametrize("process,kind,beside", [
+    (False, "classification", True), (True, "classification", True), (False, "bench", False)])
+async def test_streams_go_on_beside_a_classification_and_wait_for_a_bench_run(process, kind,
+                                                                              beside):
+    # 20 inputs in two label listings and the content-free one: 42 prompts of 30 ms each.
+    params = ClassifyParams(inputs=tuple(f"text {i}" for i in range(20)), labels=("a", "b"))
+    worker = EngineWorker("w", process=process)
+    await worker.load(partial(FakeEngine, "fake", max_batch=2, token_delay_s=0.03,
+                              reply="x" * 400))
+    stamps: list[float] = []
+
+    async def stream():
+        async for batch in worker.generate([1, 2, 3], SamplingParams(max_tokens=400)):
+            stamps.extend(time.monotonic() for _ in batch)
+
+    task = asyncio.create_task(stream())
+    try:
+        # The first job makes the child import the job's code.
+        await worker.call(kind, partial(_classify, ClassifyParams(inputs=("t",), labels=("a",))))
+        assert await until(lambda: len(stamps) > 3)
+        began = time.monotonic()
+        result = await worker.call(kind, partial(_classify, params))
+        ended = time.monotonic()
+        assert len(result.results) == 20
+        times = [began, *(t for t in stamps if began < t < ended), ended]
+        longest = max(b - a for a, b in itertools.pairwise(times))
+        if beside:  # a step between two prompts of the classification
+            assert longest < 0.5, (longest, ended - began)
+        else:  # a bench run measures the engine alone
+            assert longest > 0.9 * (ended - began) > 1.0, (longest, ended - began)
+    finally:
+        task.cancel()
         await worker.aclose(10)
 
 
