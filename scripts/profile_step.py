@@ -3,9 +3,14 @@
 with B requests of --prompt-tokens prompts decoding together. Per batch size: the prefill
 step of one prompt, then over steady decode steps the wall time per step split into the
 executor (host preparation, GPU, read-back) and the runtime's own work (scheduling,
-detokenizing, events), and the top GPU kernels from torch.profiler.
+detokenizing, events), and the top GPU kernels from torch.profiler. With --feature, every
+request asks for it (bench_features.py's settings), and the step's host work is split further
+(the rows' processing, the wait for the last step's tokens, the grammar masks) and profiled
+with cProfile. A grammar needs a real vocabulary: --model-dir a directory with the default
+model's tokenizer (bench_features.py's dummy_with_real_tokenizer makes one).
 
   python scripts/profile_step.py --model llama-3.2-1b --batches 1,64
+  python scripts/profile_step.py --model-dir .benchmodel/llama1b/... --feature grammar
 """
 
 from __future__ import annotations
@@ -42,11 +47,48 @@ class Timer:
         return round(statistics.median(values) * 1000, 3) if values else float("nan")
 
 
+def feature_params(feature: str, max_tokens: int):
+    """bench_features.py's request fields for `feature` as the engine's SamplingParams."""
+    from dataclasses import replace
+
+    from bench_features import FEATURES
+
+    from engines.base import SamplingParams
+    from engines.grammar import json_schema_grammar
+
+    base = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    fields = FEATURES[feature]
+    if feature == "grammar":
+        return replace(base, grammar=json_schema_grammar(
+            fields["response_format"]["json_schema"]["schema"]))
+    if feature == "logprobs":
+        return replace(base, logprobs=fields["top_logprobs"])
+    if feature == "bias":
+        return replace(base, logit_bias=tuple((int(t), b) for t, b in fields["logit_bias"].items()))
+    return replace(base, **fields)
+
+
+def host_profile(step, steps: int) -> str:
+    """cProfile of `steps` calls of step(): the host's hot spots."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
+
+
 def main() -> int:
     import torch
 
-    from engines.base import SamplingParams
     from engines.dummy import write_dummy_model
+    from engines.grammar import MaskFiller
     from engines.runtime.runtime import Runtime, Submission
     from engines.torch_engine import TorchEngine
 
@@ -59,15 +101,19 @@ def main() -> int:
     parser.add_argument("--compile", default="auto")
     parser.add_argument("--cache", default="/tmp/duet-profile")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of B=max here")
+    parser.add_argument("--model-dir", default=None, help="this model directory, not --model")
+    parser.add_argument("--feature", default="none", help="none or one of bench_features.py's")
+    parser.add_argument("--no-kernels", action="store_true", help="skip torch.profiler")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "scripts"))
     batches = [int(b) for b in args.batches.split(",")]
-    path = write_dummy_model(args.model, Path(args.cache) / args.model)
+    path = (Path(args.model_dir) if args.model_dir
+            else write_dummy_model(args.model, Path(args.cache) / args.model))
     started = time.perf_counter()
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
                          compile=args.compile, max_batch=max(batches))
     print(f"load {time.perf_counter() - started:.1f} s", flush=True)
-    params = SamplingParams(max_tokens=args.context - args.prompt_tokens - 1, temperature=0.0,
-                            ignore_eos=True)
+    params = feature_params(args.feature, args.context - args.prompt_tokens - 1)
     for b in batches:
         runtime = Runtime(engine, max_batch=b, max_prefill_tokens=max(512, args.prompt_tokens))
         timer = Timer()
@@ -79,6 +125,11 @@ def main() -> int:
         sync = torch.cuda.synchronize if engine.device.startswith("cuda") else None
         timer.wrap(ex, "_forward", "prefill forward", sync=sync)
         timer.wrap(runtime, "step", "runtime.step")
+        timer.wrap(runtime, "_handle", "runtime._handle (tokens to events)")
+        timer.wrap(runtime.scheduler, "schedule", "scheduler.schedule")
+        timer.wrap(ex._processor, "apply", "processing.apply (host)")
+        timer.wrap(ex, "_in_flight", "wait for the last tokens")
+        timer.wrap(MaskFiller, "bitmasks", "grammar masks")
         prompts = [[(31 * i + 7 * j) % 9000 + 100 for j in range(args.prompt_tokens)]
                    for i in range(b)]
         for p in prompts:
@@ -95,6 +146,13 @@ def main() -> int:
         print(f"B={b}: {line}", flush=True)
         print(f"B={b}: {b / (line['runtime.step'] / 1000):.0f} tok/s at the step's median",
               flush=True)
+        if args.feature != "none":
+            print(host_profile(runtime.step, args.steps), flush=True)
+        if args.no_kernels:
+            runtime.stop_all()
+            while runtime.has_work:
+                runtime.step()
+            continue
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -103,11 +103,18 @@ def test_masks_filled_for_a_batch_are_each_grammar_s_own(tiny_dirs, vocab):
                 for _ in histories]
 
     alone = [s.bitmask(h, vocab) for s, h in zip(states(), histories)]
-    together = MaskFiller().bitmasks(list(zip(states(), histories)), vocab)
+    filler, kept = MaskFiller(), states()
+    together = filler.bitmasks(list(zip(kept, histories)), vocab)
     assert together.shape == (len(histories), -(-vocab // 8))
     for mine, theirs in zip(together, alone):
         assert np.array_equal(mine, theirs)
     bits = np.unpackbits(together, axis=1, bitorder="little")
+    # A step later every row is one token behind (taken in on llguidance's threads): the
+    # last allowed token of each mask, or a token the broken row's matcher cannot take.
+    later = [h + [int(np.nonzero(b[:vocab])[0][-1])] for h, b in zip(histories, bits)]
+    again = filler.bitmasks(list(zip(kept, later)), vocab)
+    for mine, fresh, history in zip(again, states(), later):
+        assert np.array_equal(mine, fresh.bitmask(history, vocab))
     brace, x = tok.encode("{")[0], tok.encode("x")[0]
     assert bits[0, brace] and not bits[0, x] and bits[0].sum() == 1
     assert bits[2].sum() > 1 and not bits[:, tok.grammar_vocabulary().vocab_size:].any()
