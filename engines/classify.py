@@ -172,7 +172,7 @@ def zero_shot(
 ) -> ClassificationResult:
     if not params.labels:
         raise ValueError("zero-shot classification needs labels")
-    if not getattr(engine.tokenizer, "has_chat_template", True):
+    if not engine.tokenizer.has_chat_template:
         raise UnsupportedModel("this model has no chat template, which zero-shot scoring needs")
     start = time.perf_counter()
     engine.meter.reset()

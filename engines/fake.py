@@ -42,6 +42,7 @@ class ByteTokenizer:
     encode_prompt = encode
 
     template_takes_tools = False
+    has_chat_template = True
     _grammar = None  # llguidance's view of the vocabulary, built on first use (not pickled)
 
     def describe(self) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .base import (
     ClassificationResult,
@@ -15,6 +16,7 @@ from .base import (
     check_context,
 )
 from .runtime.kv import BlockPool
+from .runtime.plan import StepExecutor
 from .runtime.solo import generate_one
 
 
@@ -61,15 +63,22 @@ class PromptSide:
 class GenerationEngine(PromptSide):
     """What every generating engine shares above its step executor.
 
-    A subclass sets name, device, context_length, tokenizer and meter, calls init_runtime once
-    its KV pool is sized, and implements executor() (a new StepExecutor over its weights and
-    KV storage). generate() runs one request inline; the server batches through
-    engines/runtime/loop.py."""
+    A subclass sets name, device, context_length, tokenizer and meter (its facts), calls
+    init_runtime once its KV pool is sized (engines/runtime/sizing.py decides how), and
+    implements executor() (a new StepExecutor over its weights and KV storage). The runtimes
+    made over it (the server's loop, a one-off generate()) share the pool and the sequence ids
+    and read the batch settings from here. generate() runs one request inline; the server
+    batches through engines/runtime/loop.py."""
 
     name: str
     device: str
     context_length: int
+    tokenizer: Any  # engines.tokenizer.ChatTokenizer or the fake engine's ByteTokenizer
     meter: MemoryMeter
+    kv_pool: BlockPool
+    max_batch: int
+    max_prefill_tokens: int
+    seq_ids: Iterator[int]
 
     def init_runtime(self, kv_pool: BlockPool, *, max_batch: int, max_prefill_tokens: int) -> None:
         self.kv_pool = kv_pool
@@ -77,7 +86,7 @@ class GenerationEngine(PromptSide):
         self.max_prefill_tokens = max_prefill_tokens
         self.seq_ids = itertools.count()
 
-    def executor(self):
+    def executor(self) -> StepExecutor:
         raise NotImplementedError
 
     def classify(

@@ -84,7 +84,9 @@ class EngineWorker:
 
     @property
     def max_running(self) -> int:
-        return getattr(self.engine, "max_batch", 1)
+        """Units of work that run at once: the runtime's batch, or one (an engine without)."""
+        status = self.loop.status()
+        return 1 if status is None else status.max_batch
 
     def status(self) -> WorkerStatus:
         with self._lock:
@@ -100,16 +102,17 @@ class EngineWorker:
 
     def runtime_status(self) -> dict | None:
         """The running batch and the KV pool, for a generating engine (None for others)."""
-        pool = getattr(self.engine, "kv_pool", None)
         status = self.loop.status()
-        if pool is None or status is None:
+        if status is None:
             return None
-        return {"batch": status.batch, "max_batch": self.engine.max_batch,
+        per_token = status.kv_bytes_per_token
+        return {"batch": status.batch, "max_batch": status.max_batch,
                 "step_ms": round(status.step_s * 1000, 3),
                 "engine_step_ms": round(status.execute_s * 1000, 3),
-                "kv_cache_used_bytes": pool.used_bytes, "kv_cache_bytes": pool.capacity_bytes,
-                "kv_cache_used_tokens": pool.used_blocks * pool.block_size,
-                "kv_cache_tokens": pool.capacity_tokens}
+                "kv_cache_used_bytes": status.kv_used_tokens * per_token,
+                "kv_cache_bytes": status.kv_tokens * per_token,
+                "kv_cache_used_tokens": status.kv_used_tokens,
+                "kv_cache_tokens": status.kv_tokens}
 
     def _waker_for(self, loop: asyncio.AbstractEventLoop) -> Waker:
         if self._waker is None or self._waker.loop is not loop:

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..base import Cancelled, EngineClosed, StopCheck
+from ..generation import GenerationEngine
 from .plan import RuntimeStatus
 from .runtime import Runtime, Submission
 
@@ -85,7 +86,7 @@ class EngineLoop:
     def attach(self, engine) -> None:
         """Called on the loop's thread (a job) once the engine exists."""
         self.engine = engine
-        if hasattr(engine, "executor"):
+        if isinstance(engine, GenerationEngine):  # a classifier or an embedder has no batch
             self.runtime = Runtime(engine, **self._runtime_options)
 
     def add(self, sub: Submission) -> None:

@@ -105,6 +105,19 @@ class RuntimeStatus:
     step_s: float = 0.0  # running mean of a step's wall time
     execute_s: float = 0.0  # running mean of the executor's share of it
     kv_used_blocks: int = 0
+    # The runtime's settings and its KV pool's size, which the runtime owns.
+    max_batch: int = 0
+    kv_blocks: int = 0
+    kv_block_size: int = 0
+    kv_bytes_per_token: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.kv_block_size
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.kv_used_blocks * self.kv_block_size
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ The wire, one pipe each way:
 - parent -> child: ("add", key, prompt_ids, params, arrival), ("stop", key),
   ("job", key, fn, beside_batch), ("close",). A stop is what the parent sees in a request's
   should_stop, forwarded when it first says so (checked on every message and every poll_s).
-- child -> parent: ("loaded", description) or ("failed", exc) once, then after every step or
-  job one ("events", items, RuntimeStatus) with all that happened in it, and ("closed",) at the end.
+- child -> parent: ("loaded", description, RuntimeStatus | None) or ("failed", exc) once, then
+  after every step or job one ("events", items, RuntimeStatus | None) with all that happened in
+  it, and ("closed",) at the end.
   A token travels as a plain tuple: a dataclass costs ten times as much to pickle, and at 64
   streams the child pickles 64 of them every 1-2 ms.
 Times (a request's arrival) are time.perf_counter(), one clock for every process on the machine.
@@ -54,56 +55,25 @@ class EngineProcessError(EngineClosed):
     """The engine's process ended under running work (killed, out of memory, a crash)."""
 
 
-@dataclass
-class PoolView:
-    """The child's KV pool as of its last step (BlockPool's read-only face)."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_token: int
-    used_blocks: int = 0
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity_tokens * self.bytes_per_token
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used_blocks * self.block_size * self.bytes_per_token
-
-
 class RemoteEngine(PromptSide):
-    """What the HTTP side reads of an engine that runs in a child process: its name, info,
-    limits and tokenizer (a copy: prompts are encoded here, the child detokenizes), and its KV
-    pool as of the last step. Work goes through the ProcessLoop."""
+    """What the HTTP side reads of an engine that runs in a child process: its name, info and
+    tokenizer (a copy: prompts are encoded here, the child detokenizes). Its runtime's batch
+    and KV pool come as the loop's status. Work goes through the ProcessLoop."""
 
-    def __init__(self, *, name: str, device: str, info: EngineInfo, tokenizer, max_batch: int,
-                 pool: PoolView | None):
+    def __init__(self, *, name: str, device: str, info: EngineInfo, tokenizer):
         self.name = name
         self.device = device
         self.info = info
         self.tokenizer = tokenizer
         self.context_length = info.context_length
-        self.max_batch = max_batch
-        if pool is not None:  # only a generating engine has one (the worker looks for it)
-            self.kv_pool = pool
 
     def close(self) -> None:  # the child closes the real one
         pass
 
 
 def _describe(engine) -> dict:
-    pool = getattr(engine, "kv_pool", None)
-    return {
-        "name": engine.name, "device": engine.device, "info": engine.info,
-        "tokenizer": engine.tokenizer, "max_batch": getattr(engine, "max_batch", 1),
-        "pool": None if pool is None else PoolView(pool.num_blocks, pool.block_size,
-                                                   pool.bytes_per_token),
-    }
+    return {"name": engine.name, "device": engine.device, "info": engine.info,
+            "tokenizer": engine.tokenizer}
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -193,16 +163,12 @@ class _Child:
             return
         self._put(("done", key, result))
 
-    def _status(self) -> RuntimeStatus:
-        runtime = self.loop.runtime
-        return RuntimeStatus() if runtime is None else runtime.status()
-
     def flush(self) -> None:
         """On the loop's thread after each step or job: everything since the last flush."""
         with self._out_lock:
             items, self._out = self._out, []
         if items:
-            self._send(("events", items, self._status()))
+            self._send(("events", items, self.loop.status()))
 
     def _send(self, msg: tuple) -> None:
         try:
@@ -228,7 +194,7 @@ def serve(commands, events, make: Callable[[], Any], name: str, log_level: int) 
         events.send(("failed", _portable(exc)))
         return
     child.engine = engine
-    child._send(("loaded", description))
+    child._send(("loaded", description, child.loop.status()))
     child.serve(commands)
 
 
@@ -383,7 +349,7 @@ class ProcessLoop:
             return
         engine = RemoteEngine(**msg[1])
         self.engine = engine
-        self._status = RuntimeStatus() if hasattr(engine, "kv_pool") else None
+        self._status = msg[2]  # None: the engine does not generate
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"engine-{self.name}-events")
         self._reader.start()
@@ -408,10 +374,8 @@ class ProcessLoop:
         generate)."""
         return self._status
 
-    def _dispatch(self, items: list[tuple], status: RuntimeStatus) -> None:
-        if self._status is not None:
-            self._status = status
-            self.engine.kv_pool.used_blocks = status.kv_used_blocks
+    def _dispatch(self, items: list[tuple], status: RuntimeStatus | None) -> None:
+        self._status = status
         subs, jobs = self._subs, self._jobs
         for item in items:
             kind, key = item[0], item[1]

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..base import Cancelled, SamplingParams, StopCheck, TokenLogprobs
 from ..grammar import GrammarState
@@ -20,6 +21,9 @@ from .delivery import Delivery
 from .output import RequestOutput
 from .plan import RowSampling, RuntimeStatus, StepPlan
 from .scheduler import Scheduler, Sequence
+
+if TYPE_CHECKING:  # generation.py builds on this module
+    from ..generation import GenerationEngine
 
 log = logging.getLogger("duet.runtime")
 
@@ -48,7 +52,7 @@ class _Live:
 
 
 class Runtime:
-    def __init__(self, engine, *, max_batch: int | None = None,
+    def __init__(self, engine: GenerationEngine, *, max_batch: int | None = None,
                  max_prefill_tokens: int | None = None, threaded_output: bool | None = None):
         """threaded_output: deliver each step's output on a thread of its own (None: as the
         engine's executor asks)."""
@@ -67,7 +71,7 @@ class Runtime:
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}
         self._ids = engine.seq_ids
-        self._meter = getattr(engine, "meter", None)
+        self._meter = engine.meter
         self.last_batch = 0
         # Off the step's thread for an executor that asks for it (MLX): see delivery.py.
         threaded = traits.output_thread if threaded_output is None else threaded_output
@@ -85,8 +89,10 @@ class Runtime:
         return self.scheduler.has_work or self._launched is not None
 
     def status(self) -> RuntimeStatus:
-        return RuntimeStatus(self.last_batch, self.step_s, self.execute_s,
-                             self.scheduler.pool.used_blocks)
+        pool = self.scheduler.pool
+        return RuntimeStatus(self.last_batch, self.step_s, self.execute_s, pool.used_blocks,
+                             self.scheduler.max_batch, pool.num_blocks, pool.block_size,
+                             pool.bytes_per_token)
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or
@@ -133,8 +139,7 @@ class Runtime:
         # An executor that answers late (MLX) still has work while its sequences await tokens.
         if not plan and not self.scheduler.running and self._launched is None:
             return
-        if self._meter is not None:
-            self._meter.reset()
+        self._meter.reset()
         started = time.perf_counter()
         last, self._launched = self._launched, None
         if plan or not self.pipelined:  # an executor that answers late runs without a plan too
@@ -164,7 +169,7 @@ class Runtime:
         """On the step's thread: the scheduler's bookkeeping and the endings that need no text
         (end-of-sequence, max_tokens), so the sequence leaves the batch now. The text, stop
         strings and events are the delivery's."""
-        peak = self._meter.peak_bytes() if self._meter is not None else 0
+        peak = self._meter.peak_bytes()
         for seq_id, (first, scores) in output.prompt_logprobs.items():
             live = self._live.get(seq_id)
             if live is not None and live.out.prompt_scores is not None:
