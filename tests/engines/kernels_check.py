@@ -79,6 +79,7 @@ def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device
 
 def tiny_engine(window: int | None, device: str):
     """A TorchEngine over a small random model, without loading files."""
+    from engines.generation import MemoryMeter
     from engines.runtime.kv import BlockPool
     from engines.torch_engine.engine import TorchEngine
     from engines.torch_engine.loader import random_model
@@ -103,6 +104,7 @@ def tiny_engine(window: int | None, device: str):
     engine.kv = PagedKV(2, 40, PAGE, 2, 16, torch.float32, device)
     engine.init_runtime(BlockPool(40, PAGE), max_batch=4, max_prefill_tokens=64)
     engine.tokenizer = ByteTokens()
+    engine.meter = MemoryMeter()
     engine.name = "torch"
     return engine
 
