@@ -98,6 +98,23 @@ def test_chunked_prefill_spends_the_budget_oldest_first_and_decode_rows_cost_not
     assert chunks[3] == [(2, 5, 2, True)]
 
 
+def test_a_scored_prompt_chunk_costs_twice_the_budget_and_its_unscored_tail_once():
+    sched = Scheduler(BlockPool(100, 16), max_batch=8, max_prefill_tokens=10)
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    scored = Sequence(0, list(range(1, 14)), params, RowSampling.of(params, 0))
+    sched.add(scored)
+    sched.add(seq(1, 20))
+    chunks = [[(r.seq_id, r.start, len(r.tokens)) for r in run_step(sched).prefill]
+              for _ in range(4)]
+    assert chunks[0] == [(0, 0, 5)]  # 5 scored tokens spend the 10
+    assert chunks[1] == [(0, 5, 5)]
+    assert chunks[2] == [(0, 10, 3), (1, 0, 4)]  # the scored prompt's end, then 4 plain ones
+    assert chunks[3] == [(1, 4, 10)]
+    tiny = Scheduler(BlockPool(100, 16), max_batch=8, max_prefill_tokens=1)
+    tiny.add(Sequence(0, [1, 2, 3], params, RowSampling.of(params, 0)))
+    assert [len(r.tokens) for r in run_step(tiny).prefill] == [1]  # a budget of 1 still moves
+
+
 def test_the_pool_is_never_exceeded_and_preemption_requeues_the_newest_first():
     pool = BlockPool(6, 4)
     sched = Scheduler(pool, max_batch=8, max_prefill_tokens=1000)
