@@ -157,6 +157,32 @@ def test_the_mlx_engine_batches_to_the_same_tokens(tiny_dirs, family):
     assert engine.kv_pool.used_blocks == 0
 
 
+def test_the_mlx_engine_preempts_in_a_pool_too_small_and_stops_when_done(tiny_dirs):
+    """The torch test above on mlx-lm's BatchGenerator: the newest request leaves the batch
+    when the pool runs dry, comes back and still gets its solo tokens; once every request is
+    done the runtime has no work and a step asks nothing of the executor."""
+    pytest.importorskip("mlx_lm")
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
+    jobs, expected, runtime = three_in_a_nine_block_pool(engine)
+    preempted = []
+    preempt = runtime.scheduler._preempt
+    runtime.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    got, stats = run_together(runtime, jobs)
+    assert got == expected
+    assert preempted
+    assert [s.completion_tokens for s in stats] == [40] * 3
+    for _ in range(3):  # an executor that answers late may still hold a step's work
+        runtime.step()
+    assert not runtime.has_work and engine.kv_pool.used_blocks == 0
+    launched = []
+    launch = runtime.executor.launch
+    runtime.executor.launch = lambda plan: (launched.append(plan), launch(plan))[1]
+    runtime.step()
+    assert launched == []
+
+
 def test_mlx_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
     pytest.importorskip("mlx_lm")
     from engines.mlx_engine import MLXEngine
