@@ -67,9 +67,10 @@ class TorchEngine(GenerationEngine):
             raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
         if onednn_linears(self.device, compile, torch_dtype(self.dtype)):
             log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
-        elif self.device == "cpu" and compile != "on":
-            log.info("cpu: linear layers run through ATen: this CPU lacks the instructions "
-                     "oneDNN's packed %s path needs", self.dtype)
+        elif self.device == "cpu" and compile != "on" and self.dtype != "float32":
+            log.info("cpu: %d linear layers run through ATen, in float32 for more than %d rows: "
+                     "this CPU lacks the instructions oneDNN's packed %s path needs",
+                     cpu_linear.widen_linears(self.model), cpu_linear.WIDEN_ROWS, self.dtype)
         args = self.model.args
         per_token = PagedKV.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
                                             torch_dtype(self.dtype))

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from engines.base import SamplingParams, Step
-from engines.torch_engine import TorchEngine
-from engines.torch_engine import cpu_linear
+from engines.torch_engine import TorchEngine, cpu_linear
 from engines.torch_engine.loader import load_model
 from tests.tiny_models import FAMILIES
 
@@ -152,17 +151,39 @@ def test_the_reduced_precision_check_says_what_onednn_does_on_this_cpu(dtype):
             torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_widened_linear_takes_few_rows_as_they_are_and_many_in_float32(dtype):
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(96, 200, bias=bias).to(dtype)
+        widened = cpu_linear.WidenedLinear(linear)
+        assert widened.weight is linear.weight  # shared: a tied embedding stays tied
+        for shape in ((1, 96), (2, 4, 96), (1, 9, 96), (3, 17, 96)):
+            x = torch.randn(shape, dtype=dtype)
+            rows = x.numel() // 96
+            b = None if linear.bias is None else linear.bias
+            if rows <= cpu_linear.WIDEN_ROWS:
+                expected = torch.nn.functional.linear(x, linear.weight, b)
+            else:
+                expected = torch.nn.functional.linear(
+                    x.float(), linear.weight.float(), None if b is None else b.float()).to(dtype)
+            out = widened(x)
+            assert out.dtype == dtype and torch.equal(out, expected), (shape, bias)
+
+
 def test_a_bfloat16_model_serves_where_onednn_has_no_bfloat16_path(tiny_dirs, monkeypatch):
-    """The fallback forced, as on a CPU with AVX2 only: ATen's linear layers, the same tokens as
-    the model run unpacked."""
+    """The fallback forced, as on a CPU with AVX2 only: ATen's linear layers, widened for many
+    rows, the same tokens as the model run that way by hand."""
     monkeypatch.setattr(cpu_linear, "cpu_supports", lambda dtype: dtype == torch.float32)
     path, _ = tiny_dirs["llama"]
     engine = TorchEngine(path, context_length=128, dtype="bfloat16", device="cpu")
     assert not any(isinstance(m, cpu_linear.PackedLinear) for m in engine.model.modules())
+    assert any(isinstance(m, cpu_linear.WidenedLinear) for m in engine.model.modules())
     assert engine.info.dtype == "bfloat16"
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ids = [e.token_id for e in engine.generate(PROMPT, params) if isinstance(e, Step)][:8]
     model = load_model(path, torch.bfloat16, "cpu")
+    cpu_linear.widen_linears(model)
     model.setup_cache(64)
     seq, expected = torch.tensor([PROMPT]), []
     with torch.no_grad():
