@@ -119,7 +119,7 @@ class ScoredRows:
 def _scored(logits: torch.Tensor, tokens: torch.Tensor, keys: list, ks: list[int]) -> ScoredRows:
     """Row i of logits [N, V] scored at tokens[i]: the log-softmax there and the ks[i]
     likeliest tokens', kept under keys[i]."""
-    scores = torch.log_softmax(logits.float(), dim=-1)
+    scores = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # one pass, not two
     chosen = scores.gather(1, tokens.view(-1, 1)).view(-1)
     top = torch.topk(scores, max(1, max(ks)), dim=-1)
     return ScoredRows(keys, chosen, top.values, top.indices, ks)
@@ -131,9 +131,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     (after the row's processing, before temperature and the other filters) at the token it got,
     and its k most likely tokens."""
     asked = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
-    pick = to_device(asked, torch.long, logits.device)
-    return _scored(logits.index_select(0, pick), tokens.index_select(0, pick),
-                   [rows[i].seq_id for i in asked], [rows[i].sampling.logprobs for i in asked])
+    if len(asked) < len(rows):  # else every row, as they are: no copy nor gathers
+        pick = to_device(asked, torch.long, logits.device)
+        logits, tokens = logits.index_select(0, pick), tokens.index_select(0, pick)
+    return _scored(logits, tokens, [rows[i].seq_id for i in asked],
+                   [rows[i].sampling.logprobs for i in asked])
 
 
 def score_tokens(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
