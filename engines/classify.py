@@ -187,8 +187,18 @@ def zero_shot(
     for p in prompts:
         check_context(len(p), longest, engine.context_length)
 
+    peak = 0
+
+    def between_pieces() -> bool:
+        # Beside a running batch, the batch's steps run here and reset the engine's meter:
+        # the peak so far is kept first.
+        nonlocal peak
+        engine.meter.sample()
+        peak = max(peak, engine.meter.peak_bytes())
+        return should_stop is not None and should_stop()
+
     per_listing = [
-        engine.score_continuations(group, continuations, should_stop)
+        engine.score_continuations(group, continuations, between_pieces)
         for group in _prefix_groups(prompts, len(listings))
     ]
     engine.meter.sample()
@@ -223,7 +233,7 @@ def zero_shot(
         ttft_s=prefill_s,
         prefill_tokens_per_s=prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
         decode_tokens_per_s=label_tokens / score_s if score_s > 0 else 0.0,
-        peak_memory_bytes=engine.meter.peak_bytes(),
+        peak_memory_bytes=max(peak, engine.meter.peak_bytes()),
         kv_cache_bytes=0,  # scoring runs on a scratch cache, not the KV pool
         engine=engine.name,
         device=engine.device,

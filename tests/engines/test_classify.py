@@ -171,6 +171,34 @@ def test_a_stop_ends_scoring_at_the_next_piece(tiny_dirs, monkeypatch, which):
     assert engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
 
 
+def test_the_peak_memory_outlives_the_steps_run_between_pieces():
+    """Beside a running batch the runtime's steps reset the engine's meter between two pieces
+    of a classification: its peak is still the largest the meter saw."""
+    from engines.fake import FakeEngine
+    from engines.generation import MemoryMeter
+
+    class Readings(MemoryMeter):  # the memory in use at each sample, in turn
+        def __init__(self, values):
+            self.values, self.peak = iter(values), 0
+
+        def reset(self):
+            self.peak = 0
+
+        def sample(self):
+            self.peak = max(self.peak, next(self.values))
+
+        def peak_bytes(self):
+            return self.peak
+
+    engine = FakeEngine()
+    params = ClassifyParams(inputs=("a", "b", "c"), labels=("x", "y"), calibrate=False)
+    engine.meter = Readings([100, 300, 200, 50])  # three pieces, then the end
+    result = classify.zero_shot(engine, params, lambda: engine.meter.reset() or False)
+    assert result.stats.peak_memory_bytes == 300  # not 50: what the last reset left
+    engine.meter = Readings([100, 300, 200, 50])
+    assert classify.zero_shot(engine, params).stats.peak_memory_bytes == 300
+
+
 def test_prompts_are_scored_per_label_listing_only_when_that_prefills_less():
     head, texts = list(range(1, 11)), [[7], [8, 9], [10]]
     long_a, long_b = list(range(20, 60)), list(range(60, 100))  # two orders of a long list
