@@ -142,15 +142,22 @@ class GrammarState:
         return np.packbits(mask, bitorder="little")
 
     def packed(self, bits: np.ndarray, vocab: int) -> np.ndarray:
-        """llguidance's mask bytes (uint8, little-endian 32-bit words) cut or padded to vocab."""
-        size = -(-vocab // 8)
-        out = np.zeros(size, dtype=np.uint8)
-        n = min(size, len(bits))
-        out[:n] = bits[:n]
-        if self.vocab_size < vocab:  # clear the bits past the tokenizer's last token
-            out[self.vocab_size // 8] &= np.uint8((1 << (self.vocab_size % 8)) - 1)
-            out[self.vocab_size // 8 + 1:] = 0
-        return out
+        """llguidance's mask bytes for this matcher, cut or padded to vocab (cut_to_vocab)."""
+        return cut_to_vocab(bits[None], self.vocab_size, vocab)[0]
+
+
+def cut_to_vocab(raw: np.ndarray, tokens: int, vocab: int) -> np.ndarray:
+    """Masks as llguidance writes them (uint8 [n, m], little-endian 32-bit words) for a
+    tokenizer of `tokens` tokens, cut or padded to uint8 [n, ceil(vocab / 8)]: past the
+    tokenizer's last token (a padded embedding) nothing is allowed."""
+    size = -(-vocab // 8)
+    out = np.zeros((raw.shape[0], size), dtype=np.uint8)
+    n = min(size, raw.shape[1])
+    out[:, :n] = raw[:, :n]
+    if tokens < vocab:
+        out[:, tokens // 8] &= np.uint8((1 << (tokens % 8)) - 1)
+        out[:, tokens // 8 + 1:] = 0
+    return out
 
 
 class MaskFiller:
@@ -171,8 +178,7 @@ class MaskFiller:
 
         if self._executor is None:
             self._executor = LLExecutor()
-        size = -(-vocab // 8)
-        out = np.zeros((len(rows), size), dtype=np.uint8)
+        out = np.zeros((len(rows), -(-vocab // 8)), dtype=np.uint8)
         one_behind = [i for i, (state, generated) in enumerate(rows)
                       if state.new_tokens(generated) == 1]
         if one_behind:
@@ -192,12 +198,8 @@ class MaskFiller:
         raw = np.zeros((len(live), words), dtype=np.int32)
         fill_next_token_bitmask_par(
             self._executor, [(rows[i][0].matcher, k) for k, i in enumerate(live)], raw)
-        n = min(size, words * 4)
-        out[live, :n] = raw.view(np.uint8)[:, :n]
-        # Past a tokenizer's last token (a padded embedding) nothing is allowed.
-        for tokens in {rows[i][0].vocab_size for i in live}:
-            if tokens < vocab:
-                these = [i for i in live if rows[i][0].vocab_size == tokens]
-                out[these, tokens // 8] &= np.uint8((1 << (tokens % 8)) - 1)
-                out[these, tokens // 8 + 1:] = 0
+        raw = raw.view(np.uint8)
+        for tokens in {rows[i][0].vocab_size for i in live}:  # one tokenizer, in practice
+            these = [k for k, i in enumerate(live) if rows[i][0].vocab_size == tokens]
+            out[[live[k] for k in these]] = cut_to_vocab(raw[these], tokens, vocab)
         return out

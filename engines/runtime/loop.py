@@ -133,14 +133,8 @@ class EngineLoop:
                 self._run_job(*job)
             if closing:
                 break
-            stepped = self._busy()
-            if stepped:
-                self._step()
-            if self._after is not None:
-                if stepped:  # after the step's events, wherever the runtime delivers them
-                    self.runtime.delivery.post(self._after)
-                else:
-                    self._after()
+            if not self._step_then_after() and self._after is not None:
+                self._after()
         if self.runtime is not None:
             self.runtime.close()
         if self._after is not None:
@@ -158,13 +152,20 @@ class EngineLoop:
                 self._new.clear()
             for sub in new:
                 self._admit(sub)
-            if self._busy():
-                self._step()
-                if self._after is not None:
-                    self.runtime.delivery.post(self._after)
+            self._step_then_after()
             return should_stop()
 
         return check
+
+    def _step_then_after(self) -> bool:
+        """One step if there is work, `after` following its events (wherever the runtime
+        delivers them); whether it stepped."""
+        if not self._busy():
+            return False
+        self._step()
+        if self._after is not None:
+            self.runtime.delivery.post(self._after)
+        return True
 
     def _busy(self) -> bool:
         return self.runtime is not None and self.runtime.has_work
