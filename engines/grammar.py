@@ -92,8 +92,26 @@ class GrammarState:
         self.vocab_size = vocabulary.vocab_size
         self._eos = sorted(eos_token_ids)
         self._consumed = 0
+        self._first: np.ndarray | None = None  # llguidance's mask before any token
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
+
+    @classmethod
+    def prepared(cls, grammar: str, vocabulary, eos_token_ids: frozenset[int]) -> GrammarState:
+        """A state with its first mask already computed: the longest of a request's masks (2 ms
+        for a nested schema on a 2-core CPU), so the runtime makes it off the step's thread
+        together with the matcher."""
+        state = cls(grammar, vocabulary, eos_token_ids)
+        state._first = state._raw()
+        return state
+
+    def _raw(self) -> np.ndarray:
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+
+    def first_mask(self) -> np.ndarray | None:
+        """The mask computed before any token (prepared()), while no token has been taken in;
+        llguidance's raw bytes."""
+        return self._first if self._consumed == 0 else None
 
     def allowed(self, generated: Sequence[int], vocab: int) -> np.ndarray:
         """A bool mask [vocab] of the tokens that may follow `generated` (every token sampled so
@@ -108,7 +126,8 @@ class GrammarState:
         allows only the end, so the request ends there and the batch goes on."""
         if not self.advance(generated):
             return self.end_only(vocab)
-        return self.packed(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), vocab)
+        first = self.first_mask()
+        return self.packed(first if first is not None else self._raw(), vocab)
 
     @property
     def matcher(self):
@@ -188,10 +207,12 @@ class MaskFiller:
                 rows[i][0].took_last()
         live = []
         for i, (state, generated) in enumerate(rows):
-            if state.advance(generated):  # the rows further behind; checks every matcher
-                live.append(i)
-            else:
+            if not state.advance(generated):  # the rows further behind; checks every matcher
                 out[i] = state.end_only(vocab)
+            elif (first := state.first_mask()) is not None:
+                out[i] = state.packed(first, vocab)
+            else:
+                live.append(i)
         if not live:
             return out
         words = max(-(-rows[i][0].vocab_size // 32) for i in live)

@@ -20,6 +20,7 @@ from ..processing import Processing
 from .delivery import Delivery
 from .output import RequestOutput
 from .plan import RowSampling, RuntimeStatus, StepPlan
+from .prepare import Preparer
 from .scheduler import Scheduler, Sequence
 
 if TYPE_CHECKING:  # generation.py builds on this module
@@ -53,9 +54,11 @@ class _Live:
 
 class Runtime:
     def __init__(self, engine: GenerationEngine, *, max_batch: int | None = None,
-                 max_prefill_tokens: int | None = None, threaded_output: bool | None = None):
+                 max_prefill_tokens: int | None = None, threaded_output: bool | None = None,
+                 prepare_aside: bool = True):
         """threaded_output: deliver each step's output on a thread of its own (None: as the
-        engine's executor asks)."""
+        engine's executor asks). prepare_aside: make a request's grammar on a thread beside
+        the steps (prepare.py), not in add()."""
         self.engine = engine
         self.executor = engine.executor()
         traits = self.executor.traits
@@ -70,6 +73,8 @@ class Runtime:
         )
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}
+        self._preparing: Preparer[Submission] | None = (
+            Preparer(f"{engine.name}-prepare") if prepare_aside else None)
         self._ids = engine.seq_ids
         self._meter = engine.meter
         self.last_batch = 0
@@ -86,7 +91,8 @@ class Runtime:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._launched is not None
+        return (self.scheduler.has_work or self._launched is not None
+                or bool(self._preparing))
 
     def status(self) -> RuntimeStatus:
         pool = self.scheduler.pool
@@ -98,9 +104,15 @@ class Runtime:
         """Queue a generation. Errors a request can never get past (too long for the context or
         the KV pool) are raised here, before any event."""
         self.engine.check_fits(len(sub.prompt_ids), sub.params.max_tokens)
+        if sub.params.grammar is not None and self._preparing is not None:
+            self._preparing.submit(sub, lambda: self._grammar(sub.params))
+            return
+        self._queue(sub, self._grammar(sub.params))
+
+    def _queue(self, sub: Submission, grammar: GrammarState | None) -> None:
         seed = sub.params.seed if sub.params.seed is not None else random.getrandbits(63)
         seq = Sequence(next(self._ids), list(sub.prompt_ids), sub.params,
-                       RowSampling.of(sub.params, seed, self._processing(sub.params)),
+                       RowSampling.of(sub.params, seed, Processing.of(sub.params, grammar)),
                        arrival=sub.arrival)
         out = RequestOutput(self.engine.tokenizer, sub.params, prompt_tokens=len(sub.prompt_ids),
                             engine=self.engine.name, device=self.engine.device,
@@ -111,15 +123,25 @@ class Runtime:
         self.scheduler.add(seq)
         self._live[seq.seq_id] = _Live(sub, seq, out)
 
-    def _processing(self, params: SamplingParams) -> Processing | None:
-        """The request's logits processing, its grammar's matcher made here (the matcher then
-        lives with the request)."""
-        grammar = None
-        if params.grammar is not None:
-            tokenizer = self.engine.tokenizer
-            grammar = GrammarState(params.grammar, tokenizer.grammar_vocabulary(),
-                                   frozenset() if params.ignore_eos else tokenizer.eos_token_ids)
-        return Processing.of(params, grammar)
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        """The request's grammar's matcher, with its first mask (it then lives with the
+        request)."""
+        if params.grammar is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        return GrammarState.prepared(
+            params.grammar, tokenizer.grammar_vocabulary(),
+            frozenset() if params.ignore_eos else tokenizer.eos_token_ids)
+
+    def _take_prepared(self) -> None:
+        """Requests whose grammar is ready join the queue; one whose grammar failed ends."""
+        if not self._preparing:
+            return
+        for sub, made in self._preparing.ready():
+            if isinstance(made, BaseException):
+                self.delivery.post(sub.emit, made)
+            else:
+                self._queue(sub, made)
 
     def step(self) -> None:
         """One step: drop what was stopped, run the plan, hand every request its events.
@@ -127,6 +149,7 @@ class Runtime:
         Pipelined, the step is launched before the last one is read back: the host handles
         the last step's tokens (detokenizing, stops, events) while the device runs this one."""
         self._stop_requested()
+        self._take_prepared()
         plan = self.scheduler.schedule()
         for row in plan.rows:
             live = self._live[row.seq_id]
@@ -138,6 +161,8 @@ class Runtime:
         self.last_batch = len(self.scheduler.running)
         # An executor that answers late (MLX) still has work while its sequences await tokens.
         if not plan and not self.scheduler.running and self._launched is None:
+            if self._preparing:  # nothing else to do: not a busy loop while it is made
+                self._preparing.wait(0.01)
             return
         self._meter.reset()
         started = time.perf_counter()
@@ -219,6 +244,9 @@ class Runtime:
         return every event is out."""
         for live in list(self._live.values()):
             self._finish(live, "cancelled")
+        if self._preparing:
+            for sub in self._preparing.drop(lambda sub: False):
+                self.delivery.post(sub.emit, Cancelled())  # never ran
         self._launched = None  # its tokens have nobody left to go to
         released = self.scheduler.take_released()
         if released:
@@ -226,8 +254,10 @@ class Runtime:
         self.delivery.drain()
 
     def close(self) -> None:
-        """stop_all(), then the delivery's thread ends."""
+        """stop_all(), then the delivery's and the preparer's threads end."""
         self.stop_all()
+        if self._preparing is not None:
+            self._preparing.close()
         self.delivery.close()
 
     def _stop_requested(self) -> None:
@@ -239,6 +269,10 @@ class Runtime:
             stop = live.sub.should_stop
             if stop is not None and stop():
                 self._finish(live, "cancelled")
+        if self._preparing:
+            for sub in self._preparing.drop(
+                    lambda sub: sub.should_stop is None or not sub.should_stop()):
+                self.delivery.post(sub.emit, Cancelled())
 
     def _leave(self, live: _Live) -> None:
         """The sequence leaves the batch and its blocks go back to the pool."""

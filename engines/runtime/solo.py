@@ -14,7 +14,8 @@ def generate_one(
     engine, prompt_ids: Sequence[int], params: SamplingParams,
     should_stop: StopCheck | None = None,
 ) -> Iterator[GenerationEvent]:
-    runtime = Runtime(engine, max_batch=1, threaded_output=False)  # events read after each step
+    # Events read after each step; a grammar made in add(), so its errors are raised there.
+    runtime = Runtime(engine, max_batch=1, threaded_output=False, prepare_aside=False)
     events: list = []
     # Raised here, before the iterator exists, so the caller hears of it before any token.
     runtime.add(Submission(list(prompt_ids), params, events.append, should_stop))

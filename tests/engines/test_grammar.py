@@ -119,3 +119,68 @@ def test_masks_filled_for_a_batch_are_each_grammar_s_own(tiny_dirs, vocab):
     assert bits[0, brace] and not bits[0, x] and bits[0].sum() == 1
     assert bits[2].sum() > 1 and not bits[:, tok.grammar_vocabulary().vocab_size:].any()
     assert bits[3].nonzero()[0].tolist() == [end]  # "xyz" broke the matcher
+
+
+def test_prepared_states_mask_as_fresh_ones(tiny_dirs):
+    """A state made with its first mask ready (the runtime makes it beside the steps) gives
+    the masks a fresh one gives, alone and in a MaskFiller batch, before and after a token."""
+    from engines.grammar import GrammarState, MaskFiller
+
+    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
+    grammar, end = json_schema_grammar(SCHEMA), min(tok.eos_token_ids)
+
+    def make(ready):
+        return (GrammarState.prepared if ready else GrammarState)(
+            grammar, tok.grammar_vocabulary(), frozenset({end}))
+
+    fresh = make(False).bitmask([], 300)
+    assert np.array_equal(make(True).bitmask([], 300), fresh)
+    rows = [(make(True), []), (make(True), [])]
+    assert all(np.array_equal(m, fresh) for m in MaskFiller().bitmasks(rows, 300))
+    brace = tok.encode("{")
+    state = make(True)
+    assert np.array_equal(state.bitmask(brace, 300), make(False).bitmask(brace, 300))
+    assert not np.array_equal(state.bitmask(brace, 300), fresh)
+
+
+def test_a_grammar_is_made_beside_the_steps_and_a_stopped_one_never_joins(tiny_dirs,
+                                                                        monkeypatch):
+    """Making a request's grammar (its vocabulary view takes over a second for a real model)
+    does not hold up the running batch; a request stopped while its grammar is made ends as
+    cancelled."""
+    import threading
+
+    from engines.base import Cancelled, RequestStats, Step
+    from engines.runtime.runtime import Runtime, Submission
+
+    engine = make_engine("torch", tiny_dirs["llama"][0])
+    view = engine.tokenizer.grammar_vocabulary()
+    release = threading.Event()
+
+    def slow_view():
+        release.wait(10)
+        return view
+
+    monkeypatch.setattr(engine.tokenizer, "grammar_vocabulary", slow_view)
+    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=64, threaded_output=False)
+    events = {name: [] for name in ("plain", "json", "stopped")}
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runtime.add(Submission(list(PROMPTS[0]), plain, events["plain"].append))
+    runtime.add(Submission(list(PROMPTS[1]), constrained(temperature=0.0),
+                           events["json"].append))
+    runtime.add(Submission(list(PROMPTS[2]), constrained(temperature=0.0),
+                           events["stopped"].append, should_stop=lambda: True))
+    for _ in range(6):
+        runtime.step()
+    assert len(events["plain"]) == 6 and not events["json"]  # its grammar is still being made
+    assert [type(e) for e in events["stopped"]] == [Cancelled]
+    release.set()
+    for _ in range(300):
+        if not runtime.has_work:
+            break
+        runtime.step()
+    assert not runtime.has_work
+    steps = [e for e in events["json"] if isinstance(e, Step) and e.finish_reason is None]
+    assert isinstance(events["json"][-1], RequestStats)
+    jsonschema.validate(json.loads(text_of(engine, steps)), SCHEMA)
+    runtime.close()
