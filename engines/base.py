@@ -80,6 +80,7 @@ class RequestStats:
     finish_reason: FinishReason
     total_s: float = 0.0
     queue_s: float = 0.0  # arrival to first scheduled step
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 GenerationEvent = Step | RequestStats

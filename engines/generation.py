@@ -78,12 +78,15 @@ class GenerationEngine(PromptSide):
     kv_pool: BlockPool
     max_batch: int
     max_prefill_tokens: int
+    prefix_cache: bool  # the server's runtime reuses cached prefixes (where the executor can)
     seq_ids: Iterator[int]
 
-    def init_runtime(self, kv_pool: BlockPool, *, max_batch: int, max_prefill_tokens: int) -> None:
+    def init_runtime(self, kv_pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
+                     prefix_cache: bool = True) -> None:
         self.kv_pool = kv_pool
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = prefix_cache
         self.seq_ids = itertools.count()
 
     def executor(self) -> StepExecutor:

@@ -233,9 +233,10 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = args.port
+    # No prefix cache: repeats send the same prompts, and the references prefill every one.
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-queue", "256",
-           "--max-connections", "1024", *args.serve_args]
+           "--max-connections", "1024", "--no-prefix-cache", *args.serve_args]
     if args.engine:
         cmd += ["--engine", args.engine]
     log = open(args.server_log, "w")

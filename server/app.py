@@ -43,7 +43,8 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     if factory is None:
         factory = BackendEngineFactory(
             dict(kv_cache_memory=settings.kv_cache_memory, max_batch=settings.max_batch,
-                 max_prefill_tokens=settings.max_prefill_tokens),
+                 max_prefill_tokens=settings.max_prefill_tokens,
+                 prefix_cache=settings.prefix_cache),
             device=settings.device, compile=settings.compile,
             mps_memory_fraction=settings.mps_memory_fraction,
         )

@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
             "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
             "max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens,
             "kv_cache_memory": args.kv_cache_memory, "engine_process": args.engine_process,
+            "prefix_cache": args.prefix_cache,
             "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
             "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
             "keep_alive_timeout_s": args.keep_alive_timeout,
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-prefill-tokens", type=int,
                        help="prompt tokens prefilled per step, long prompts in chunks between "
                        "decode steps (default 2048 on CUDA, 512 elsewhere)")
+    serve.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       default=None, help="prefill every prompt whole: no reuse of the KV of "
+                       "earlier prompts (default: reused on the torch engine)")
     serve.add_argument("--kv-cache-memory", metavar="SIZE",
                        help="KV cache per engine, e.g. 4GiB (default: max-batch full contexts, "
                        "at most half the free memory)")

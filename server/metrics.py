@@ -56,6 +56,10 @@ class ServerMetrics:
             "duet_generation_kv_cache_bytes", "KV cache bytes the latest generation held",
             ["model", "engine"], registry=self.registry,
         )
+        self.cached_tokens = Counter(
+            "duet_prompt_tokens_cached", "Prompt tokens whose KV came from the prefix cache "
+            "instead of a prefill", ["model", "engine"], registry=self.registry,
+        )
         self.queue_time = Histogram(
             "duet_queue_seconds", "Time from a generation's arrival to its first scheduled step",
             ["model", "engine"], buckets=_TTFT_BUCKETS, registry=self.registry,
@@ -65,6 +69,7 @@ class ServerMetrics:
     def observe_generation(self, model: str, engine: str, stats: RequestStats) -> None:
         self.tokens.labels(model, engine, "prompt").inc(stats.prompt_tokens)
         self.tokens.labels(model, engine, "completion").inc(stats.completion_tokens)
+        self.cached_tokens.labels(model, engine).inc(stats.cached_tokens)
         self.queue_time.labels(model, engine).observe(stats.queue_s)
         if stats.completion_tokens:
             self.ttft.labels(model, engine).observe(stats.ttft_s)
@@ -104,6 +109,9 @@ class _LiveCollector:
         kv_size = GaugeMetricFamily(
             "duet_engine_kv_cache_bytes", "Size of the engine's KV cache",
             labels=["model", "engine"])
+        prefix = GaugeMetricFamily(
+            "duet_engine_prefix_cache_tokens", "Tokens of KV kept in the prefix cache (held by "
+            "running sequences or evictable)", labels=["model", "engine"])
         for model, engine, worker in self.model_registry.loaded_workers():
             depth.add_metric([model, engine], worker.pending)
             status = worker.status()
@@ -114,7 +122,8 @@ class _LiveCollector:
                 batch.add_metric([model, engine], runtime["batch"])
                 kv_used.add_metric([model, engine], runtime["kv_cache_used_bytes"])
                 kv_size.add_metric([model, engine], runtime["kv_cache_bytes"])
-        yield from (depth, jobs, batch, kv_used, kv_size)
+                prefix.add_metric([model, engine], runtime["prefix_cache_tokens"])
+        yield from (depth, jobs, batch, kv_used, kv_size, prefix)
         memory = self.process.memory_info()
         yield GaugeMetricFamily(
             "duet_process_resident_memory_bytes", "Resident memory of the server process",

@@ -52,7 +52,8 @@ def _id(prefix: str) -> str:
 
 def usage(stats: RequestStats) -> dict:
     return {"input_tokens": stats.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": stats.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": stats.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": stats.prompt_tokens + stats.completion_tokens}

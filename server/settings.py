@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         "between decode steps, so running streams keep flowing (default: 2048 on CUDA, 512 "
         "elsewhere)",
     )
+    prefix_cache: bool = Field(
+        True, description="Keep the KV of earlier prompts in the KV cache's free room and reuse "
+        "it for prompts that start the same way (chat turns, shared system prompts); the "
+        "torch engine",
+    )
     kv_cache_memory: int | None = Field(
         None, ge=1, description="Bytes of KV cache per engine (e.g. 2GiB, 512MB); default: "
         "max_batch full contexts, at most half the memory free once the weights are loaded",

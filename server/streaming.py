@@ -32,9 +32,11 @@ def usage(stats: RequestStats | list[RequestStats], n: int = 1) -> dict:
     choices there are (choices come prompt-major: every n-th is a new prompt's first)."""
     every = stats if isinstance(stats, list) else [stats]
     prompt = sum(s.prompt_tokens for s in every[::n])
+    cached = sum(s.cached_tokens for s in every[::n])
     completion = sum(s.completion_tokens for s in every)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def metrics(stats: RequestStats) -> dict:

@@ -112,7 +112,9 @@ class EngineWorker:
                 "kv_cache_used_bytes": status.kv_used_tokens * per_token,
                 "kv_cache_bytes": status.kv_tokens * per_token,
                 "kv_cache_used_tokens": status.kv_used_tokens,
-                "kv_cache_tokens": status.kv_tokens}
+                "kv_cache_tokens": status.kv_tokens,
+                "prefix_cache_tokens": status.prefix_cached_blocks * status.kv_block_size,
+                "prefix_cache_hit_tokens": status.prefix_cached_tokens}
 
     def _waker_for(self, loop: asyncio.AbstractEventLoop) -> Waker:
         if self._waker is None or self._waker.loop is not loop:

@@ -121,3 +121,23 @@ def test_cli_help_lists_the_serve_options(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--config", "--model", "--engine", "--device"):
         assert flag in out
+
+
+def test_serve_without_the_prefix_cache_reaches_the_engines_options(monkeypatch):
+    import server.cli
+    from server.registry import BackendEngineFactory
+
+    made = {}
+    real = BackendEngineFactory.__init__
+
+    def spy(self, runtime_options=None, **torch_options):
+        made.update(runtime_options or {})
+        real(self, runtime_options, **torch_options)
+
+    monkeypatch.setattr(BackendEngineFactory, "__init__", spy)
+    monkeypatch.setattr(server.cli, "run_server", lambda app, settings: None)
+    assert main(["serve", "--no-prefix-cache"]) == 0
+    assert made["prefix_cache"] is False
+    made.clear()
+    assert main(["serve"]) == 0
+    assert made["prefix_cache"] is True

@@ -62,7 +62,7 @@ class MLXEngine(GenerationEngine):
 
     def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto",
                  kv_cache_memory: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, prefix_cache: bool = True):
         from mlx_lm.utils import load_model
 
         started = time.perf_counter()
@@ -94,7 +94,8 @@ class MLXEngine(GenerationEngine):
         # bound holds to within a step per sequence.
         self.context_length = fit_context(context_length, pool, "mlx")
         self.init_runtime(pool, max_batch=max_batch,
-                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device))
+                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device),
+                          prefix_cache=prefix_cache)
         self.tokenizer = ChatTokenizer(model_dir)
         self.meter = MLXMeter()
         self.info = EngineInfo(

@@ -34,6 +34,7 @@ class RequestOutput:
         self.closed = False  # close() has run: its events are out
         self.peak_memory_bytes = 0
         self.kv_cache_bytes = 0
+        self.cached_tokens = 0  # of the prompt, from the prefix cache: not prefilled
         # The prompt's scores by position, when asked for: they ride on the first Step out.
         self.prompt_scores: dict[int, TokenLogprobs] | None = (
             {} if params.prompt_logprobs is not None else None)
@@ -96,7 +97,8 @@ class RequestOutput:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.n,
             ttft_s=ttft,
-            prefill_tokens_per_s=self.prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+            prefill_tokens_per_s=((self.prompt_tokens - self.cached_tokens) / prefill_s
+                                  if prefill_s > 0 else 0.0),
             decode_tokens_per_s=(self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0,
             peak_memory_bytes=self.peak_memory_bytes,
             kv_cache_bytes=self.kv_cache_bytes,
@@ -105,6 +107,7 @@ class RequestOutput:
             finish_reason=finish,
             total_s=now - self.arrival,
             queue_s=scheduled - self.arrival,
+            cached_tokens=self.cached_tokens,
         )
         return [Step(self.last_token, tail, finish, None, self._prompt_logprobs()), stats]
 

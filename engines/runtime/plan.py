@@ -110,6 +110,8 @@ class RuntimeStatus:
     kv_blocks: int = 0
     kv_block_size: int = 0
     kv_bytes_per_token: int = 0
+    prefix_cached_blocks: int = 0  # blocks in the prefix cache, held or evictable
+    prefix_cached_tokens: int = 0  # prompt tokens taken from it instead of prefilled, in all
 
     @property
     def kv_tokens(self) -> int:
@@ -144,6 +146,9 @@ class ExecutorTraits:
     # token counts itself and takes a grammar's last token from the step that sampled it, so a
     # row with processing need not wait for its last token to be read.
     processes_in_flight: bool = False
+    # Its KV lives in the pool's blocks, where the runtime says: a block computed for one
+    # sequence serves another whose tokens start the same way (the prefix cache).
+    reuses_kv_blocks: bool = False
 
 
 class StepExecutor(Protocol):

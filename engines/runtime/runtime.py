@@ -55,10 +55,12 @@ class _Live:
 class Runtime:
     def __init__(self, engine: GenerationEngine, *, max_batch: int | None = None,
                  max_prefill_tokens: int | None = None, threaded_output: bool | None = None,
-                 prepare_aside: bool = True):
+                 prepare_aside: bool = True, prefix_cache: bool | None = None):
         """threaded_output: deliver each step's output on a thread of its own (None: as the
         engine's executor asks). prepare_aside: make a request's grammar on a thread beside
-        the steps (prepare.py), not in add()."""
+        the steps (prepare.py), not in add(). prefix_cache: reuse the KV of earlier
+        sequences' blocks, where the executor's KV lives in the pool (kv.py); None: as the
+        engine was set up."""
         self.engine = engine
         self.executor = engine.executor()
         traits = self.executor.traits
@@ -70,6 +72,8 @@ class Runtime:
             max_prefill_tokens=max_prefill_tokens or engine.max_prefill_tokens,
             chunked_prefill=not traits.answers_late,
             pipelined=self.pipelined, processes_in_flight=traits.processes_in_flight,
+            prefix_cache=(engine.prefix_cache if prefix_cache is None else prefix_cache)
+            and traits.reuses_kv_blocks,
         )
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}
@@ -98,7 +102,8 @@ class Runtime:
         pool = self.scheduler.pool
         return RuntimeStatus(self.last_batch, self.step_s, self.execute_s, pool.used_blocks,
                              self.scheduler.max_batch, pool.num_blocks, pool.block_size,
-                             pool.bytes_per_token)
+                             pool.bytes_per_token, pool.cached_blocks,
+                             self.scheduler.cached_tokens)
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or
@@ -156,6 +161,7 @@ class Runtime:
             if not live.started:
                 live.started = True
                 live.out.scheduled_at = live.seq.first_scheduled
+                live.out.cached_tokens = live.seq.cached_tokens
                 if live.sub.on_start is not None:
                     live.sub.on_start()
         self.last_batch = len(self.scheduler.running)
@@ -308,6 +314,7 @@ class Runtime:
             carried = set(ids)
             ids += [seq.seq_id for seq in self.scheduler.running if seq.seq_id not in carried]
         log.error("a step of %d sequences failed: %s", len(ids), exc)
+        self.scheduler.pool.drop_cache()  # what the step wrote is not to be trusted
         try:
             self.executor.release(ids)
         except Exception:

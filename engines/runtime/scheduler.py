@@ -17,6 +17,11 @@ Rules:
   at admission; decoding takes one more block every block_size tokens. When none is free, the
   newest running sequence is preempted: its blocks return to the pool and it goes back to the
   head of the queue, to be prefilled again (prompt and generated tokens) when blocks free up.
+- With the prefix cache (an executor whose KV lives in the pool's blocks), a sequence admitted
+  takes the cached blocks its tokens start with (kv.py), all but at least its last token, and
+  is fed from there. A block is registered in the cache at the first plan after the one that
+  fed its last token (so its KV is queued before anyone reads it), or when its sequence leaves
+  or is preempted. A prompt scored for echo takes none (each position must be scored).
 - A pipelined executor runs a step before the host has read the last one's tokens: a sequence
   then has a token in flight, which its next decode row feeds as PENDING (the executor takes it
   from the device), and it is not scheduled past max_tokens. A sequence is never re-admitted
@@ -33,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..base import SamplingParams
-from .kv import BlockPool
+from .kv import ROOT, BlockPool, chain
 from .plan import PENDING, RowSampling, ScheduledSeq, StepOutput, StepPlan
 
 SCORED_TOKEN_COST = 2
@@ -51,6 +56,8 @@ class Sequence:
     inflight: int = 0  # tokens sampled by a launched step that the host has not read yet
     first_scheduled: float | None = None
     peak_blocks: int = 0
+    keys: list[int] = field(default_factory=list)  # the prefix cache's keys of its full blocks
+    cached_tokens: int = 0  # of its prompt, taken from the prefix cache when first admitted
 
     @property
     def length(self) -> int:
@@ -75,7 +82,8 @@ class Sequence:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
                  chunked_prefill: bool = True, pipelined: bool = False,
-                 processes_in_flight: bool = False, clock: Callable[[], float] = time.perf_counter):
+                 processes_in_flight: bool = False, prefix_cache: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError("max_batch and max_prefill_tokens must be at least 1")
         self.pool = pool
@@ -84,6 +92,8 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill
         self.pipelined = pipelined
         self.processes_in_flight = processes_in_flight
+        self.prefix_cache = prefix_cache
+        self.cached_tokens = 0  # tokens admitted sequences took from the prefix cache, in all
         # An executor that prefills on its own terms may compute a sequence's next token before
         # it reports the last one: keep a token of room ahead for it.
         self._lag = 0 if chunked_prefill else 1
@@ -104,10 +114,12 @@ class Scheduler:
 
     def remove(self, seq: Sequence, *, tell_executor: bool = True) -> None:
         """A sequence leaves (finished, aborted, failed): its blocks go back at once, and the
-        executor hears of it at the next step (unless it already dropped it)."""
+        executor hears of it at the next step (unless it already dropped it, as from a failed
+        step, whose KV is not cached)."""
         if seq in self.running:
             self.running.remove(seq)
             if tell_executor:
+                self._register(seq)
                 self._released.append(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -121,6 +133,9 @@ class Scheduler:
         return released
 
     def schedule(self) -> StepPlan:
+        if self.prefix_cache:
+            for seq in self.running:
+                self._register(seq)
         budget = self.max_prefill_tokens
         rows: list[tuple[Sequence, int]] = []
         i = 0
@@ -183,13 +198,22 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.inflight:
                 return  # preempted with a token in flight: it is read before the next step
-            pending = seq.length
+            if self.prefix_cache and seq.sampling.prompt_logprobs is None:
+                seq.blocks, seq.keys = self.pool.take_cached(
+                    [*seq.prompt, *seq.generated], seq.length - 1)
+                seq.computed = len(seq.blocks) * self.pool.block_size
+            pending = seq.length - seq.computed
             cost = self._cost(seq)
             n = 1 if pending == 1 else self._chunk(pending, self._affords(budget, cost))
             # The whole prompt's blocks are taken now, so its later chunks never stall.
-            if n == 0 or not self.pool.grow(seq.blocks, pending + self._lag):
+            if n == 0 or not self.pool.grow(seq.blocks, seq.length + self._lag):
+                self.pool.release(seq.blocks)  # cached blocks taken go back, as they were
+                seq.keys, seq.computed = [], 0
                 return
             self.waiting.popleft()
+            self.cached_tokens += seq.computed
+            if seq.first_scheduled is None:
+                seq.cached_tokens = seq.computed
             self.running.append(seq)
             seq.peak_blocks = max(seq.peak_blocks, len(seq.blocks))
             if seq.first_scheduled is None:
@@ -228,9 +252,27 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._released.append(seq.seq_id)
+        self._register(seq)
         self.pool.release(seq.blocks)
         seq.computed = 0
+        seq.keys = []
         self.waiting.appendleft(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        """Cache seq's full blocks whose KV has been queued and whose tokens are all known (a
+        token in flight is not)."""
+        if not self.prefix_cache:
+            return
+        size = self.pool.block_size
+        full = min(seq.computed, len(seq.prompt) + len(seq.generated)) // size
+        keys = seq.keys
+        while len(keys) < full:
+            j = len(keys)
+            tokens = seq.feed(j * size, size)
+            parent = keys[-1] if keys else ROOT
+            key = chain(parent, tokens)
+            self.pool.register(seq.blocks[j], key, parent, tokens)
+            keys.append(key)
 
     def _row(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.computed

@@ -15,7 +15,9 @@ def generate_one(
     should_stop: StopCheck | None = None,
 ) -> Iterator[GenerationEvent]:
     # Events read after each step; a grammar made in add(), so its errors are raised there.
-    runtime = Runtime(engine, max_batch=1, threaded_output=False, prepare_aside=False)
+    # No prefix cache: a bench's repeats of a prompt each measure its whole prefill.
+    runtime = Runtime(engine, max_batch=1, threaded_output=False, prepare_aside=False,
+                      prefix_cache=False)
     events: list = []
     # Raised here, before the iterator exists, so the caller hears of it before any token.
     runtime.add(Submission(list(prompt_ids), params, events.append, should_stop))

@@ -55,6 +55,7 @@ class TorchEngine(GenerationEngine):
         kv_cache_memory: int | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_prefill_tokens: int | None = None,
+        prefix_cache: bool = True,
     ):
         started = time.perf_counter()
         model_dir = Path(model_dir)
@@ -83,7 +84,8 @@ class TorchEngine(GenerationEngine):
         self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, args.num_kv_heads,
                           args.head_dim, torch_dtype(self.dtype), self.device)
         self.init_runtime(pool, max_batch=max_batch,
-                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device))
+                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device),
+                          prefix_cache=prefix_cache)
         self.decoder = make_decoder(self.model, self.kv, self.device, compile, max_batch)
         self.tokenizer = ChatTokenizer(model_dir)
         self.meter = memory_meter(self.device)

@@ -40,7 +40,7 @@ class TorchExecutor:
         # decode rows' PENDING tokens taken on the device from the last step's picks.
         self.pipelined = decoder is not None
         self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True,
-                                     processes_in_flight=True)
+                                     processes_in_flight=True, reuses_kv_blocks=True)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._last_read = None  # the same picks on their way to the host (ReadBack.start)

@@ -372,3 +372,24 @@ def test_responses_parse_follows_the_clients_model(client):
         model=MODEL, input="Describe Paris as JSON.", text_format=City, temperature=0,
         max_output_tokens=120, extra_body={"engine": "torch"})
     assert isinstance(resp.output_parsed, City) and resp.output_parsed.kind in ("capital", "other")
+
+
+def test_a_chats_second_turn_reuses_the_first_turns_kv(client, server):
+    """The torch engine's prefix cache: the second turn's usage counts the first turn's
+    prompt (whole blocks of it) as cached, and /metrics the prefill it saved."""
+    import httpx
+
+    def saved() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("duet_prompt_tokens_cached_total{"))
+
+    before = saved()
+    first = chat(client, "torch", max_tokens=12)
+    messages = [*QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And of Italy?"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=12, extra_body={"engine": "torch"})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens // 16 * 16 <= cached < second.usage.prompt_tokens
+    assert saved() - before >= cached

@@ -30,6 +30,7 @@ def test_chat_completion_has_usage_and_metrics(client):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(REPLY.encode()) + 1,  # the end-of-sequence token counts
         "total_tokens": prompt_tokens + len(REPLY.encode()) + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},  # the fake engine caches nothing
     }
     m = body["metrics"]
     assert m["engine"] == "torch" and m["device"] == "cpu"

@@ -13,7 +13,8 @@ def test_prompt_lists_times_n_are_indexed_prompt_major(client):
     assert all(c["text"] == REPLY and c["finish_reason"] == "stop" for c in body["choices"])
     tokens = len(ByteTokenizer().encode(REPLY)) + 1  # and the end token
     assert body["usage"] == {"prompt_tokens": 2 + 5, "completion_tokens": 4 * tokens,
-                             "total_tokens": 7 + 4 * tokens}
+                             "total_tokens": 7 + 4 * tokens,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_lists_of_token_id_lists_are_prompts(client, make_client):

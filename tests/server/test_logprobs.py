@@ -92,7 +92,8 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(client):
     assert lp["tokens"] == ["H", "i", "!"] and lp["text_offset"] == [0, 1, 2]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == [pytest.approx(-math.log(257))] * 2
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_echo_puts_the_prompt_before_the_completion(client):

@@ -213,13 +213,17 @@ async def test_runtime_status_reports_the_batch_and_the_pool_as_they_are():
         runtime.last_batch, runtime.step_s, runtime.execute_s = 2, 0.0012341, 0.0004567
         blocks: list[int] = []
         assert engine.kv_pool.grow(blocks, 20)  # two 16-token blocks
+        engine.kv_pool.register(blocks[0], 7, 0, tuple(range(16)))  # the first one cached
+        runtime.scheduler.cached_tokens = 48
         assert worker.runtime_status() == {
             "batch": 2, "max_batch": 3, "step_ms": 1.234, "engine_step_ms": 0.457,
             "kv_cache_used_bytes": 2 * 16 * 8, "kv_cache_bytes": 64 * 8,
             "kv_cache_used_tokens": 32, "kv_cache_tokens": 64,
+            "prefix_cache_tokens": 16, "prefix_cache_hit_tokens": 48,
         }
         engine.kv_pool.release(blocks)
-        assert worker.runtime_status()["kv_cache_used_bytes"] == 0
+        status = worker.runtime_status()
+        assert status["kv_cache_used_bytes"] == 0 and status["prefix_cache_tokens"] == 16
     finally:
         worker.close()
     classifier = EngineWorker("classifier")
