@@ -229,14 +229,16 @@ def short_during_long(url: str, model: str, engine: str | None, long_tokens: int
 # -- the server -------------------------------------------------------------------------------
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, *, prefix_cache: bool = False) -> tuple[subprocess.Popen, str]:
+    """prefix_cache off by default: repeats send the same prompts, and the references prefill
+    every one."""
     import httpx
 
     port = args.port
-    # No prefix cache: repeats send the same prompts, and the references prefill every one.
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-queue", "256",
-           "--max-connections", "1024", "--no-prefix-cache", *args.serve_args]
+           "--max-connections", "1024", *([] if prefix_cache else ["--no-prefix-cache"]),
+           *args.serve_args]
     if args.engine:
         cmd += ["--engine", args.engine]
     log = open(args.server_log, "w")
