@@ -130,11 +130,9 @@ class Attention(nn.Module):
         if mask is None:  # one fresh prompt: plain causal attention over its own keys
             return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1,
                                                   enable_gqa=self.n_kv != self.n_heads)
-        rep = self.n_heads // self.n_kv
-        # Fold each group's query heads into the query axis: the KV heads are read as they are.
-        q = q.reshape(b, self.n_kv, rep * t, d)
-        if rep > 1 and t > 1:
-            mask = mask.repeat(1, 1, rep, 1)
+        # Fold each group's query heads into the query axis: the KV heads are read as they are
+        # (the mask comes folded the same way, hidden_paged's once for every layer).
+        q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv * t, d)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.reshape(b, self.n_heads, t, d)
 
@@ -244,6 +242,10 @@ class Transformer(nn.Module):
         kernel = batch.tokens.shape[1] == 1 and batch.table is not None and \
             self.model.layers[0].self_attn.decode_kernel
         read, mask = (None, None) if kernel else batch.attend()  # once for every layer
+        attn = self.model.layers[0].self_attn
+        rep = attn.n_heads // attn.n_kv
+        if mask is not None and rep > 1 and batch.tokens.shape[1] > 1:
+            mask = mask.repeat(1, 1, rep, 1)  # the query heads folded as _paged_attention does
         x = self.model.embed_tokens(batch.tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, batch, None, (kv.k[i], kv.v[i], read, mask))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.plan import ScheduledSeq
+from .transfer import to_device
 
 
 class PagedKV:
@@ -99,9 +100,12 @@ def build_batch(rows: Sequence[ScheduledSeq], kv: PagedKV, max_len: int, window:
     slots = table.gather(1, (positions // bs).clamp(max=table.shape[1] - 1)) * bs + positions % bs
     write = torch.where(real, slots, kv.trash).reshape(-1)
     fresh = bool((starts == 0).all())
+    def moved(x: torch.Tensor) -> torch.Tensor:  # not waiting for the steps queued before
+        return to_device(x, x.dtype, device)
+
     return PagedBatch(
-        tokens=tokens.to(device), positions=positions.to(device), write_slots=write.to(device),
-        last=(lengths - 1).to(device), table=None if fresh else table.to(device),
+        tokens=moved(tokens), positions=moved(positions), write_slots=moved(write),
+        last=moved(lengths - 1), table=None if fresh else moved(table),
         kv_len=t if fresh else int((starts + lengths).max()), page=bs, trash=kv.trash,
         window=window,
     )
