@@ -3,7 +3,7 @@ tiny checkpoint, and a runtime driven over a batch whose requests arrive at give
 
 import pytest
 
-from engines.base import Step
+from engines.base import RequestStats, Step
 from engines.runtime.runtime import Runtime, Submission
 from engines.torch_engine import TorchEngine
 
@@ -59,3 +59,32 @@ def processing_rule(x, params, prompt, generated):
     for t in set(generated):
         x[t] -= params.presence_penalty + params.frequency_penalty * list(generated).count(t)
     return x
+
+
+def run_together(runtime, jobs, join_at=None):
+    """jobs: (prompt, params). join_at[i]: the step at which job i arrives (default 0).
+    Returns each job's token ids and stats."""
+    join_at = join_at or [0] * len(jobs)
+    got = {i: [] for i in range(len(jobs))}
+    stats = {}
+
+    def emit_for(i):
+        def emit(event):
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, RequestStats):
+                stats[i] = event
+            elif event.finish_reason is None:
+                got[i].append(event.token_id)
+        return emit
+
+    step = 0
+    while len(stats) < len(jobs):
+        for i, (prompt, params) in enumerate(jobs):
+            if join_at[i] == step:
+                runtime.add(Submission(list(prompt), params, emit_for(i)))
+        runtime.step()
+        runtime.delivery.drain()  # the step's events are out (a threaded delivery's too)
+        step += 1
+        assert step < 1000
+    return [got[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]

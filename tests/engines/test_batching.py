@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from engines.base import RequestStats, SamplingParams, Step
+from engines.base import SamplingParams, Step
 from engines.runtime.runtime import Runtime, Submission
 from engines.torch_engine import TorchEngine
+from tests.engines.helpers import run_together
 from tests.tiny_models import FAMILIES
 
 PROMPTS = [
@@ -37,35 +38,6 @@ def engine_for(tiny_dirs, family, **options):
 
 def alone(engine, prompt, params):
     return [e.token_id for e in engine.generate(prompt, params) if isinstance(e, Step)][:-1]
-
-
-def run_together(runtime, jobs, join_at=None):
-    """jobs: (prompt, params). join_at[i]: the step at which job i arrives (default 0).
-    Returns each job's token ids and stats."""
-    join_at = join_at or [0] * len(jobs)
-    got = {i: [] for i in range(len(jobs))}
-    stats = {}
-
-    def emit_for(i):
-        def emit(event):
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, RequestStats):
-                stats[i] = event
-            elif event.finish_reason is None:
-                got[i].append(event.token_id)
-        return emit
-
-    step = 0
-    while len(stats) < len(jobs):
-        for i, (prompt, params) in enumerate(jobs):
-            if join_at[i] == step:
-                runtime.add(Submission(list(prompt), params, emit_for(i)))
-        runtime.step()
-        runtime.delivery.drain()  # the step's events are out (a threaded delivery's too)
-        step += 1
-        assert step < 1000
-    return [got[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]
 
 
 GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 5, 11, 7)]

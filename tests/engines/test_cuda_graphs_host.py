@@ -7,17 +7,11 @@ import pytest
 import torch
 
 from engines.base import SamplingParams
-from engines.runtime.runtime import Runtime
-from engines.torch_engine import TorchEngine
 from engines.runtime.plan import PENDING
-from engines.torch_engine import cuda_graphs
-from tests.engines.test_batching import (
-    GREEDY,
-    PROMPTS,
-    alone,
-    run_together,
-    three_in_a_nine_block_pool,
-)
+from engines.runtime.runtime import Runtime
+from engines.torch_engine import TorchEngine, cuda_graphs
+from tests.engines.helpers import run_together
+from tests.engines.test_batching import GREEDY, PROMPTS, alone, three_in_a_nine_block_pool
 
 
 class ReplayedGraphs:

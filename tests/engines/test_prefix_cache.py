@@ -4,12 +4,12 @@ engine giving the tokens of a cold prefill from a warm one, alone and inside a b
 
 import pytest
 
-from engines.base import RequestStats, SamplingParams, Step
+from engines.base import SamplingParams
 from engines.runtime.kv import ROOT, BlockPool, chain
 from engines.runtime.plan import RowSampling, StepOutput
-from engines.runtime.runtime import Runtime, Submission
+from engines.runtime.runtime import Runtime
 from engines.runtime.scheduler import Scheduler, Sequence
-from tests.engines.helpers import make_engine
+from tests.engines.helpers import make_engine, run_together
 
 
 def cache(pool, blocks, tokens):
@@ -136,50 +136,27 @@ def engine(tiny_dirs):
     return make_engine("torch", tiny_dirs["llama"][0])
 
 
-def generate(runtime, jobs):
-    """jobs: (prompt, params), all arriving together; each one's tokens and stats."""
-    tokens = {i: [] for i in range(len(jobs))}
-    stats = {}
-
-    def emit_for(i):
-        def emit(event):
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, RequestStats):
-                stats[i] = event
-            elif isinstance(event, Step) and event.finish_reason is None:
-                tokens[i].append(event.token_id)
-        return emit
-
-    for i, (prompt, params) in enumerate(jobs):
-        runtime.add(Submission(list(prompt), params, emit_for(i)))
-    while runtime.has_work:
-        runtime.step()
-    runtime.delivery.drain()
-    return [tokens[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]
-
-
 def test_a_warm_prefix_gives_the_tokens_of_a_cold_prefill_and_prefills_only_the_rest(engine):
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     system = [5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200, 13, 14, 15, 16, 17, 18, 19, 20]
     cold = Runtime(engine, max_batch=4, threaded_output=False, prefix_cache=False)
     first = system + [100, 101]
-    (answer,), _ = generate(cold, [(first, greedy)])
+    (answer,), _ = run_together(cold, [(first, greedy)])
     second = first + answer + [60, 61, 62]
     others = [system + [30, 31, 32], [9, 8, 7, 6], system[:17]]
-    expected, _ = generate(cold, [(p, greedy) for p in [second, *others]])
+    expected, _ = run_together(cold, [(p, greedy) for p in [second, *others]])
     cold.close()
 
     warm = Runtime(engine, max_batch=4, threaded_output=False)
     fed = []
     launch = warm.executor.launch
     warm.executor.launch = lambda plan: fed.append(plan) or launch(plan)
-    (again,), (stats,) = generate(warm, [(first, greedy)])
+    (again,), (stats,) = run_together(warm, [(first, greedy)])
     assert again == answer and stats.cached_tokens == 0
     # The chat's second turn prefills only what the first did not hold; in a batch beside
     # prompts sharing the system prompt, a cold one, and one the cache holds whole.
     fed.clear()
-    got, stats = generate(warm, [(p, greedy) for p in [second, *others]])
+    got, stats = run_together(warm, [(p, greedy) for p in [second, *others]])
     assert got == expected
     block = engine.kv_pool.block_size
     held = (len(first) + len(answer) - 1) // block * block  # the last answer token: not fed
