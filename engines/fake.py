@@ -125,7 +125,7 @@ class FakeEngine(GenerationEngine):
             backend_version="fake 0",
         )
 
-    def executor(self) -> FakeExecutor:
+    def executor(self, *, prefix_cache: bool = False) -> FakeExecutor:
         return FakeExecutor(self)
 
     def script(self, prompt_ids: Sequence[int]) -> list[int]:

@@ -89,7 +89,10 @@ class GenerationEngine(PromptSide):
         self.prefix_cache = prefix_cache
         self.seq_ids = itertools.count()
 
-    def executor(self) -> StepExecutor:
+    def executor(self, *, prefix_cache: bool = False) -> StepExecutor:
+        """A new executor over the weights and KV storage. prefix_cache: an executor that keeps
+        its own KV outside the pool (MLX) keeps earlier sequences' for reuse; where the KV
+        lives in the pool's blocks (torch) the scheduler reuses it (its traits say which)."""
         raise NotImplementedError
 
     def classify(

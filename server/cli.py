@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                        "decode steps (default 2048 on CUDA, 512 elsewhere)")
     serve.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                        default=None, help="prefill every prompt whole: no reuse of the KV of "
-                       "earlier prompts (default: reused on the torch engine)")
+                       "earlier prompts (default: reused)")
     serve.add_argument("--kv-cache-memory", metavar="SIZE",
                        help="KV cache per engine, e.g. 4GiB (default: max-batch full contexts, "
                        "at most half the free memory)")

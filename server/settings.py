@@ -72,8 +72,7 @@ class Settings(BaseSettings):
     )
     prefix_cache: bool = Field(
         True, description="Keep the KV of earlier prompts in the KV cache's free room and reuse "
-        "it for prompts that start the same way (chat turns, shared system prompts); the "
-        "torch engine",
+        "it for prompts that start the same way (chat turns, shared system prompts)",
     )
     kv_cache_memory: int | None = Field(
         None, ge=1, description="Bytes of KV cache per engine (e.g. 2GiB, 512MB); default: "

@@ -26,6 +26,7 @@ from ..runtime.sizing import (
 )
 from ..tokenizer import ChatTokenizer
 from .executor import MLXExecutor
+from .prompt_cache import PromptCache
 from .warm_up import warm_up_batching
 
 log = logging.getLogger("duet.engines.mlx")
@@ -117,10 +118,11 @@ class MLXEngine(GenerationEngine):
         # took 10 s for the default model on a 2-core machine (one request's warm-up: 0.9 s).
         return 0.0 if self.device == "cpu" else warm_up_batching(self)
 
-    def executor(self) -> MLXExecutor:
+    def executor(self, *, prefix_cache: bool = False) -> MLXExecutor:
         return MLXExecutor(self.model, max_batch=self.max_batch,
                            max_prefill_tokens=self.max_prefill_tokens,
-                           context_length=self.context_length)
+                           context_length=self.context_length,
+                           prompt_cache=PromptCache(self.kv_pool) if prefix_cache else None)
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)

@@ -7,7 +7,10 @@ step or more after it joined; the runtime keeps a token of KV room ahead for it.
 prefills every prompt it holds by prefill_step_size tokens a step: that size is set each step
 to max_prefill_tokens shared by the prompts being prefilled, so a step prefills about that many
 in all however many prompts joined. Stop strings, end ids and max_tokens are the runtime's:
-the generator is told none of them."""
+the generator is told none of them.
+
+With a prompt cache (prompt_cache.py), a sequence that leaves gives its KV to it, and a prompt
+that starts as a kept one did joins with that prefix's KV and prefills only the rest."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
+from .prompt_cache import PromptCache
 from .sampling import make_processor, make_sampler, token_logprobs
 
 log = logging.getLogger("duet.engines.mlx")
@@ -43,7 +47,8 @@ class MLXExecutor:
     quiet_s = 0.005
     min_chunk = 32  # a prompt's fewest tokens a step, however many share the budget
 
-    def __init__(self, model, *, max_batch: int, max_prefill_tokens: int, context_length: int):
+    def __init__(self, model, *, max_batch: int, max_prefill_tokens: int, context_length: int,
+                 prompt_cache: PromptCache | None = None):
         from mlx_lm.generate import BatchGenerator
 
         self._gen = BatchGenerator(
@@ -61,6 +66,8 @@ class MLXExecutor:
         self._last_new = 0.0
         self._widest_gap = 0.0  # between two arrivals of the prompts held (a debug log's)
         self._group = max_batch
+        self._cache = prompt_cache
+        self._cached: dict[int, int] = {}  # seq id -> prompt tokens joined with cached KV
 
     def launch(self, plan: StepPlan) -> StepOutput:
         """The whole step: MLX's own lazy evaluation already overlaps the host and the device."""
@@ -78,10 +85,13 @@ class MLXExecutor:
         if self._held and self._joins(bool(new), now):
             self._insert(self._held)
             self._held = []
+        cached, self._cached = self._cached, {}
+        if self._cache is not None:
+            self._cache.fit()  # the running sequences grew: kept prefixes give way
         if not self._uid:
             if self._held:  # an idle generator waiting out the quiet window: no busy loop
                 time.sleep(min(self.quiet_s / 4, 0.0005))
-            return StepOutput({})
+            return StepOutput({}, cached_tokens=cached)
         if self._prefilling:
             self._gen.prefill_step_size = max(self.min_chunk,
                                               self._budget // len(self._prefilling))
@@ -98,7 +108,7 @@ class MLXExecutor:
                 self._prefilling.discard(seq_id)
                 if r.finish_reason is not None:  # the generator dropped it already
                     self._forget(seq_id)
-        return StepOutput(tokens, scored)
+        return StepOutput(tokens, scored, cached_tokens=cached)
 
     @staticmethod
     def collect(output: StepOutput) -> StepOutput:
@@ -126,8 +136,16 @@ class MLXExecutor:
         log.debug("%d prompt(s) join a batch of %d after %.1f ms held (widest gap between "
                   "arrivals %.1f ms)", len(rows), len(self._uid),
                   (time.perf_counter() - self._held_since) * 1e3, self._widest_gap * 1e3)
+        prompts, caches, known = [], [], []
+        for row in rows:
+            layers, n = (None, 0) if self._cache is None else self._cache.take(row.tokens)
+            prompts.append(list(row.tokens[n:]))
+            caches.append(layers)
+            known.append(list(row.tokens[:n]))  # the generator extends it: a list of its own
+            if n:
+                self._cached[row.seq_id] = n
         uids = self._gen.insert(
-            [list(row.tokens) for row in rows],
+            prompts, caches=caches, all_tokens=known,
             max_tokens=[self._context for _ in rows],
             # None for a greedy row: the generator's own argmax, which it runs for the whole
             # batch in one call when every row shares it (a sampler per row is called row by
@@ -151,8 +169,13 @@ class MLXExecutor:
             self._held = [row for row in self._held if row.seq_id not in gone]
         self._prefilling.difference_update(seq_ids)
         uids = [self._forget(s) for s in seq_ids if s in self._uid]
-        if uids:
+        if not uids:
+            return
+        if self._cache is None:
             self._gen.remove(uids)
+            return
+        for layers, tokens in self._gen.remove(uids, return_prompt_caches=True).values():
+            self._cache.put(tokens, layers)
 
     def close(self) -> None:
         self._gen.close()

@@ -14,7 +14,6 @@ import time
 from ..base import SamplingParams
 from ..runtime.runtime import Runtime, Submission
 
-
 _TOKENS = 16  # the longest sequence's prompt, tokens and a token of room ahead
 _WIDE_ROWS, _WIDE_TOKENS = 8, 64
 

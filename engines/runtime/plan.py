@@ -93,6 +93,9 @@ class StepOutput:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     # Scored prompt chunks: seq id -> (the position of the first token scored, the scores).
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Sequences that joined this step with cached KV (an executor's own prefix cache): seq id ->
+    # prompt tokens not prefilled.
+    cached_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ class Runtime:
         sequences' blocks, where the executor's KV lives in the pool (kv.py); None: as the
         engine was set up."""
         self.engine = engine
-        self.executor = engine.executor()
+        prefix_cache = engine.prefix_cache if prefix_cache is None else prefix_cache
+        self.executor = engine.executor(prefix_cache=prefix_cache)
         traits = self.executor.traits
         self.pipelined = traits.pipelined
         self.answers_late = traits.answers_late
@@ -72,8 +73,7 @@ class Runtime:
             max_prefill_tokens=max_prefill_tokens or engine.max_prefill_tokens,
             chunked_prefill=not traits.answers_late,
             pipelined=self.pipelined, processes_in_flight=traits.processes_in_flight,
-            prefix_cache=(engine.prefix_cache if prefix_cache is None else prefix_cache)
-            and traits.reuses_kv_blocks,
+            prefix_cache=prefix_cache and traits.reuses_kv_blocks,
         )
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}
@@ -205,6 +205,11 @@ class Runtime:
             live = self._live.get(seq_id)
             if live is not None and live.out.prompt_scores is not None:
                 live.out.prompt_scores.update(enumerate(scores, first))
+        for seq_id, n in output.cached_tokens.items():
+            live = self._live.get(seq_id)
+            if live is not None and not live.out.cached_tokens:  # its first join counts
+                live.out.cached_tokens = n
+                self.scheduler.cached_tokens += n
         sampled = self.scheduler.update(plan, output)
         now = time.perf_counter()
         for live in self._live.values():

@@ -104,7 +104,8 @@ class TorchEngine(GenerationEngine):
             describe_pool(pool, max_batch), warm_up(self),
         )
 
-    def executor(self) -> TorchExecutor:
+    def executor(self, *, prefix_cache: bool = False) -> TorchExecutor:
+        # The KV lives in the pool's blocks: their reuse is the scheduler's.
         return TorchExecutor(self.model, self.kv, self.device, self.decoder)
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

@@ -374,9 +374,10 @@ def test_responses_parse_follows_the_clients_model(client):
     assert isinstance(resp.output_parsed, City) and resp.output_parsed.kind in ("capital", "other")
 
 
-def test_a_chats_second_turn_reuses_the_first_turns_kv(client, server):
-    """The torch engine's prefix cache: the second turn's usage counts the first turn's
-    prompt (whole blocks of it) as cached, and /metrics the prefill it saved."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_chats_second_turn_reuses_the_first_turns_kv(client, server, engine):
+    """The prefix cache: the second turn's usage counts the first turn's prompt as cached
+    (whole 16-token blocks of it on torch), and /metrics the prefill it saved."""
     import httpx
 
     def saved() -> float:
@@ -385,11 +386,12 @@ def test_a_chats_second_turn_reuses_the_first_turns_kv(client, server):
                    if line.startswith("duet_prompt_tokens_cached_total{"))
 
     before = saved()
-    first = chat(client, "torch", max_tokens=12)
+    first = chat(client, engine, max_tokens=12)
     messages = [*QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "And of Italy?"}]
     second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                            max_tokens=12, extra_body={"engine": "torch"})
+                                            max_tokens=12, extra_body={"engine": engine})
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert first.usage.prompt_tokens // 16 * 16 <= cached < second.usage.prompt_tokens
+    held = first.usage.prompt_tokens
+    assert (held // 16 * 16 if engine == "torch" else held) <= cached < second.usage.prompt_tokens
     assert saved() - before >= cached

@@ -131,12 +131,10 @@ def test_two_sequences_share_a_prefix_in_one_batch_and_a_preempted_one_finds_its
     assert [(r.start, r.tokens) for r in plan.rows if r.seq_id == 1] == [(8, (30, 7))]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dirs):
-    return make_engine("torch", tiny_dirs["llama"][0])
-
-
-def test_a_warm_prefix_gives_the_tokens_of_a_cold_prefill_and_prefills_only_the_rest(engine):
+@pytest.mark.parametrize("kind", ["torch", "mlx"])
+def test_a_warm_prefix_gives_the_tokens_of_a_cold_prefill_and_prefills_only_the_rest(
+        tiny_dirs, kind):
+    engine = make_engine(kind, tiny_dirs["llama"][0])
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     system = [5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200, 13, 14, 15, 16, 17, 18, 19, 20]
     cold = Runtime(engine, max_batch=4, threaded_output=False, prefix_cache=False)
@@ -157,15 +155,55 @@ def test_a_warm_prefix_gives_the_tokens_of_a_cold_prefill_and_prefills_only_the_
     # prompts sharing the system prompt, a cold one, and one the cache holds whole.
     fed.clear()
     got, stats = run_together(warm, [(p, greedy) for p in [second, *others]])
+    warm.close()
     assert got == expected
+    cached = [s.cached_tokens for s in stats]
+    if kind == "mlx":  # mlx-lm's caches keep any number of tokens, the 16 a prefix needs
+        assert len(first) + len(answer) - 1 <= cached[0] < len(second)
+        assert cached[1:] == [len(system), 0, len(system[:17]) - 1]
+        return
     block = engine.kv_pool.block_size
     held = (len(first) + len(answer) - 1) // block * block  # the last answer token: not fed
-    assert stats[0].cached_tokens == held and held > 0
-    assert stats[1].cached_tokens == len(system) // block * block
-    assert stats[2].cached_tokens == 0
+    assert cached[0] == held and held > 0
+    assert cached[1] == len(system) // block * block and cached[2] == 0
     first_fed: dict[int, int] = {}  # seq id -> the first position it was fed
     for plan in fed:
         for row in plan.rows:
             first_fed[row.seq_id] = min(first_fed.get(row.seq_id, row.start), row.start)
-    assert sorted(first_fed.values()) == sorted(s.cached_tokens for s in stats)
-    warm.close()
+    assert sorted(first_fed.values()) == sorted(cached)
+
+
+def test_the_mlx_prompt_cache_keeps_prefixes_within_the_kv_budget():
+    """Entries give way, the least recently used first, when the running sequences' KV and
+    theirs would exceed the pool's bytes; a taken prefix is a cut copy the caller may extend."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from engines.mlx_engine.prompt_cache import PromptCache
+
+    def layers(n):
+        cache = KVCache()
+        cache.update_and_fetch(mx.ones((1, 1, n, 4)), mx.ones((1, 1, n, 4)))
+        return [cache]
+
+    per_token = 2 * 4 * 4  # keys and values, 4 float32 each: the pool's bytes per token too
+    pool = BlockPool(8, 16, per_token)  # 128 tokens of budget
+    cache = PromptCache(pool)
+    a, b = list(range(1, 41)), list(range(100, 140))
+    cache.put(a, layers(40))
+    cache.put(b, layers(40))
+    cache.put(list(range(5)), layers(5))  # too short to keep
+    assert len(cache) == 2
+    got, n = cache.take(a[:30] + [7, 7])
+    assert n == 30 and got[0].offset == 30 and got[0].keys.shape[2] == 30
+    got[0].update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))  # as mlx-lm does
+    assert cache.take(a + [1])[0][0].keys.sum().item() == 40 * 4  # the kept one is unchanged
+    assert cache.take([1, 2, 3] + b) == (None, 0)  # shares no prefix of 16
+    running = []
+    assert pool.grow(running, 50)  # 64 tokens held by running sequences
+    cache.fit()  # 64 + 80 > 128: b, used least recently, goes
+    assert len(cache) == 1 and cache.take(b + [1])[1] == 0 and cache.take(a + [1])[1] == 40
+    assert pool.grow(running, 100)
+    cache.fit()
+    assert len(cache) == 0 and cache.nbytes == 0
