@@ -1,7 +1,11 @@
 """Convert a Llama-family GGUF file into a Hugging Face-style model directory.
 
-Both engines load safetensors directories, so a GGUF model is dequantized once into float32
-safetensors plus config, tokenizer and chat template. The directory appears atomically: it is
+Both engines load safetensors directories, so a GGUF model is written once as safetensors plus
+config, tokenizer and chat template, each tensor at its own precision: float32 and float16
+tensors as they are, quantized ones (Q4_0, Q4_1, Q8_0, the K quants...) dequantized to float16,
+whose 11-bit significand holds a 4-bit value times a float16 scale to within a rounding, at half
+float32's bytes (an 8B model in 16 GB, not 32). bfloat16 tensors, which numpy cannot write, are
+kept in float32. The directory appears atomically: it is
 written under a temporary name and renamed only when complete, so an interrupted conversion
 never leaves a directory that a later start would trust.
 """
@@ -16,7 +20,7 @@ import numpy as np
 from .atomic_dir import build_atomically
 
 COMPLETE_MARKER = "duet-complete.json"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 1 wrote every tensor in float32
 
 # llama.cpp's tensor names -> Hugging Face's, per block and global.
 _BLOCK_NAMES = {
@@ -91,7 +95,7 @@ def gguf_config(reader) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": "float16",
     }
 
 
@@ -102,13 +106,19 @@ def _convert_weights(reader, config: dict, out_dir: Path, progress) -> None:
     tensors: dict[str, np.ndarray] = {}
     for t in progress(reader.tensors):
         name = hf_tensor_name(t.name)
-        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type),
+                                     dtype=stored_dtype(t.tensor_type.name))
         if name.endswith("q_proj.weight"):
             array = unpermute_rotary(array, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             array = unpermute_rotary(array, config["num_key_value_heads"])
         tensors[name] = np.ascontiguousarray(array)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def stored_dtype(gguf_type: str) -> type:
+    """The numpy dtype a GGUF tensor of this type is written in."""
+    return np.float32 if gguf_type in ("F32", "F64", "BF16") else np.float16
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:

@@ -21,7 +21,10 @@ Rules:
   takes the cached blocks its tokens start with (kv.py), all but at least its last token, and
   is fed from there. A block is registered in the cache at the first plan after the one that
   fed its last token (so its KV is queued before anyone reads it), or when its sequence leaves
-  or is preempted. A prompt scored for echo takes none (each position must be scored).
+  or is preempted. A prompt scored for echo takes none (each position must be scored). A
+  sequence whose prompt starts with blocks a running sequence is still prefilling (`n`
+  siblings, requests sharing a system prompt that arrive together) waits, at the head of the
+  queue, until those blocks are cached, and then takes them instead of computing them again.
 - A pipelined executor runs a step before the host has read the last one's tokens: a sequence
   then has a token in flight, which its next decode row feeds as PENDING (the executor takes it
   from the device), and it is not scheduled past max_tokens. A sequence is never re-admitted
@@ -202,6 +205,10 @@ class Scheduler:
                 seq.blocks, seq.keys = self.pool.take_cached(
                     [*seq.prompt, *seq.generated], seq.length - 1)
                 seq.computed = len(seq.blocks) * self.pool.block_size
+                if self._prefilled_soon(seq):
+                    self.pool.release(seq.blocks)
+                    seq.keys, seq.computed = [], 0
+                    return
             pending = seq.length - seq.computed
             cost = self._cost(seq)
             n = 1 if pending == 1 else self._chunk(pending, self._affords(budget, cost))
@@ -257,6 +264,24 @@ class Scheduler:
         seq.computed = 0
         seq.keys = []
         self.waiting.appendleft(seq)
+
+    def _prefilled_soon(self, seq: Sequence) -> bool:
+        """Whether a running sequence is prefilling full blocks of seq's prompt beyond those
+        seq took from the cache: they will be cached once fed."""
+        size = self.pool.block_size
+        usable = (seq.length - 1) // size  # full blocks seq could take
+        have = seq.computed // size
+        for other in self.running:
+            if other.computed >= len(other.prompt) or other.computed >= usable * size:
+                continue  # decoding, or already past every block seq could share with it
+            shared = 0
+            while (shared < usable and (shared + 1) * size <= len(other.prompt)
+                   and seq.prompt[shared * size:(shared + 1) * size]
+                   == other.prompt[shared * size:(shared + 1) * size]):
+                shared += 1
+            if shared > have and other.computed < shared * size:
+                return True
+        return False
 
     def _register(self, seq: Sequence) -> None:
         """Cache seq's full blocks whose KV has been queued and whose tokens are all known (a

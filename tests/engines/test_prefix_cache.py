@@ -207,3 +207,26 @@ def test_the_mlx_prompt_cache_keeps_prefixes_within_the_kv_budget():
     assert pool.grow(running, 100)
     cache.fit()
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_a_sequence_waits_for_a_running_one_prefilling_its_prefix_then_takes_it():
+    """n siblings arrive together: the first prefills the prompt, the others wait for its
+    blocks (in the queue, holding those behind them) and prefill only the rest."""
+    pool = BlockPool(32, 4)
+    sched = Scheduler(pool, max_batch=8, max_prefill_tokens=6, prefix_cache=True)
+    prompt = list(range(1, 15))  # 14 tokens: 3 full blocks and 2
+    sibling, other = seq(1, prompt), seq(2, [50, 51, 52])
+    sched.add(seq(0, prompt))
+    sched.add(sibling)
+    sched.add(other)
+    starts = []
+    for _ in range(10):
+        plan = sched.schedule()
+        if any(r.seq_id == 1 for r in plan.rows):
+            break
+        starts.append([(r.seq_id, r.start) for r in plan.rows])
+        sched.update(plan, StepOutput({r.seq_id: 7 for r in plan.rows if r.sample}))
+    # seq 0 prefills in chunks of 6; seq 1 (and seq 2 behind it) wait for its 3 blocks.
+    assert starts == [[(0, 0)], [(0, 6)]]
+    assert [(r.seq_id, r.start) for r in plan.rows] == [(0, 12), (1, 12), (2, 0)]
+    assert sibling.cached_tokens == 12
