@@ -235,9 +235,9 @@ def start_server(args, *, prefix_cache: bool = False) -> tuple[subprocess.Popen,
     import httpx
 
     port = args.port
+    limits = ["--max-batch", str(args.max_batch), "--max-queue", "256"] if args.max_batch else []
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--port", str(port),
-           "--max-batch", str(args.max_batch), "--max-queue", "256",
-           "--max-connections", "1024", *([] if prefix_cache else ["--no-prefix-cache"]),
+           *limits, "--max-connections", "1024", *([] if prefix_cache else ["--no-prefix-cache"]),
            *args.serve_args]
     if args.engine:
         cmd += ["--engine", args.engine]
@@ -317,7 +317,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per level (the lower median is reported)")
-    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=64,
+                        help="the server's --max-batch (0: the server's default, and its "
+                        "default --max-queue too)")
     parser.add_argument("--client-procs", type=int, default=8,
                         help="client processes (default 8: with 4, 16 httpx streams a process "
                         "added ~100 ms to the TTFT of 64 clients on an H200 host)")

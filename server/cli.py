@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     serve.add_argument("--max-queue", type=int,
                        help="requests that may wait per engine beyond its running batch "
-                       "(default 32); more get 429")
+                       "(default: as many as the batch, at least 32); more get 429")
     serve.add_argument("--max-batch", type=int,
-                       help="sequences an engine decodes at once (default 32)")
+                       help="sequences an engine decodes at once (default 32; on CUDA as "
+                       "many as the KV cache holds 2048-token sequences for, 32 to 128)")
     serve.add_argument("--max-prefill-tokens", type=int,
                        help="prompt tokens prefilled per step, long prompts in chunks between "
                        "decode steps (default 2048 on CUDA, 512 elsewhere)")
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                        "earlier prompts (default: reused)")
     serve.add_argument("--kv-cache-memory", metavar="SIZE",
                        help="KV cache per engine, e.g. 4GiB (default: max-batch full contexts, "
-                       "at most half the free memory)")
+                       "at most half the free memory; on CUDA 80%% of it)")
     serve.add_argument("--engine-process", choices=["auto", "on", "off"],
                        help="run each generating engine in a process of its own, so the HTTP "
                        "side never holds up its steps (default auto: on CUDA)")

@@ -62,7 +62,7 @@ class ModelRegistry:
         factory: EngineFactory,
         engine_override: dict[str, str] | None = None,
         *,
-        max_queue: int = 32,
+        max_queue: int | None = None,
         request_timeout_s: float | None = None,
         engine_process: Callable[[ModelSpec, str], bool] | None = None,
     ):

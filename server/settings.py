@@ -58,12 +58,14 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest request body accepted; larger ones get 413"
     )
-    max_queue: int = Field(
-        32, ge=0, description="Requests that may wait per engine behind the running batch; "
-        "more get 429 with Retry-After",
+    max_queue: int | None = Field(
+        None, ge=0, description="Requests that may wait per engine behind the running batch; "
+        "more get 429 with Retry-After (default: as many as the batch, at least 32)",
     )
-    max_batch: int = Field(
-        32, ge=1, le=1024, description="Sequences an engine decodes at once (its running batch)"
+    max_batch: int | None = Field(
+        None, ge=1, le=1024, description="Sequences an engine decodes at once (its running "
+        "batch); default 32, or on CUDA as many as the KV cache holds 2048-token sequences "
+        "for, from 32 to 128",
     )
     max_prefill_tokens: int | None = Field(
         None, ge=16, description="Prompt tokens prefilled per step; longer prompts go in chunks "
@@ -76,7 +78,8 @@ class Settings(BaseSettings):
     )
     kv_cache_memory: int | None = Field(
         None, ge=1, description="Bytes of KV cache per engine (e.g. 2GiB, 512MB); default: "
-        "max_batch full contexts, at most half the memory free once the weights are loaded",
+        "max_batch full contexts, at most half the memory free once the weights are loaded "
+        "(on CUDA 80%)",
     )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto", description="Run each generating engine in a process of its own, so the HTTP "

@@ -58,12 +58,15 @@ class WorkerStatus:
     kind: JobKind | None  # the oldest running job's
 
 
+DEFAULT_QUEUE = 32  # requests that may wait behind a batch smaller than this
+
 class EngineWorker:
-    def __init__(self, label: str, *, max_queue: int = 32, timeout_s: float | None = None,
-                 process: bool = False):
+    def __init__(self, label: str, *, max_queue: int | None = 32,
+                 timeout_s: float | None = None, process: bool = False):
+        """max_queue None: as many may wait as run at once, at least DEFAULT_QUEUE."""
         self.label = label
         self.engine: Engine | None = None
-        self.max_queue = max_queue
+        self._max_queue = max_queue
         self.timeout_s = timeout_s
         self._jobs: list[Job] = []  # admitted and not finished by the engine thread, in order
         self._lock = threading.Lock()  # _jobs changes on the event loop and the engine thread
@@ -87,6 +90,12 @@ class EngineWorker:
         """Units of work that run at once: the runtime's batch, or one (an engine without)."""
         status = self.loop.status()
         return 1 if status is None else status.max_batch
+
+    @property
+    def max_queue(self) -> int:
+        if self._max_queue is not None:
+            return self._max_queue
+        return max(DEFAULT_QUEUE, self.max_running)
 
     def status(self) -> WorkerStatus:
         with self._lock:
@@ -221,11 +230,11 @@ class EngineWorker:
 
     def _admit(self, kind: JobKind, bounded: bool) -> Job:
         now = time.monotonic()
+        running, queue = self.max_running, self.max_queue
         with self._lock:
-            capacity = self.max_running + self.max_queue
-            if bounded and len(self._jobs) >= capacity:
-                waiting = len(self._jobs) - self.max_running
-                retry = min(60, max(1, math.ceil(self._mean_s * (waiting + 1 - self.max_queue))))
+            if bounded and len(self._jobs) >= running + queue:
+                waiting = len(self._jobs) - running
+                retry = min(60, max(1, math.ceil(self._mean_s * (waiting + 1 - queue))))
                 raise queue_full(self.label, waiting, retry)
             job = Job(kind, now + self.timeout_s if self.timeout_s else None)
             self._jobs.append(job)

@@ -17,7 +17,6 @@ from ..dummy import is_dummy
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..model_config import attention_window
 from ..runtime.sizing import (
-    DEFAULT_MAX_BATCH,
     describe_pool,
     fit_context,
     pool_info,
@@ -62,7 +61,7 @@ class MLXEngine(GenerationEngine):
     name = "mlx"
 
     def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto",
-                 kv_cache_memory: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 kv_cache_memory: int | None = None, max_batch: int | None = None,
                  max_prefill_tokens: int | None = None, prefix_cache: bool = True):
         from mlx_lm.utils import load_model
 
@@ -88,9 +87,10 @@ class MLXEngine(GenerationEngine):
                 model_dir, window, window, context_length,
             )
             context_length = window
-        pool = size_pool(bytes_per_token=_kv_bytes_per_token(config, self.dtype),
-                         context_length=context_length, max_batch=max_batch,
-                         memory_bytes=kv_cache_memory, free_bytes=None)
+        pool, max_batch = size_pool(
+            bytes_per_token=_kv_bytes_per_token(config, self.dtype),
+            context_length=context_length, max_batch=max_batch,
+            memory_bytes=kv_cache_memory, free_bytes=None)
         # The runtime's account of mlx-lm's caches, which grow in steps of 256 tokens: the
         # bound holds to within a step per sequence.
         self.context_length = fit_context(context_length, pool, "mlx")

@@ -21,7 +21,6 @@ from ..device import (
 )
 from ..generation import GenerationEngine, warm_up
 from ..runtime.sizing import (
-    DEFAULT_MAX_BATCH,
     describe_pool,
     fit_context,
     pool_info,
@@ -53,7 +52,7 @@ class TorchEngine(GenerationEngine):
         compile: str = "auto",
         mps_memory_fraction: float | None = None,
         kv_cache_memory: int | None = None,
-        max_batch: int = DEFAULT_MAX_BATCH,
+        max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
         prefix_cache: bool = True,
     ):
@@ -75,9 +74,10 @@ class TorchEngine(GenerationEngine):
         args = self.model.args
         per_token = PagedKV.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
                                             torch_dtype(self.dtype))
-        pool = size_pool(
+        pool, max_batch = size_pool(
             bytes_per_token=per_token, context_length=context_length, max_batch=max_batch,
             memory_bytes=kv_cache_memory, free_bytes=free_memory_bytes(self.device),
+            device=self.device,
         )
         self.context_length = fit_context(context_length, pool, "torch")
         self.model.setup_rope(self.context_length)

@@ -1,0 +1,41 @@
+"""How big the KV pool and the batch are by default: modest where the memory is shared (CPU,
+MPS, MLX), as large as the memory allows on a CUDA device that is the server's own."""
+
+import pytest
+
+from engines.runtime.sizing import size_pool
+
+GiB = 2**30
+
+
+def sized(device, free_bytes, max_batch=None, memory_bytes=None, per_token=32 * 1024,
+          context=4096):
+    pool, batch = size_pool(bytes_per_token=per_token, context_length=context,
+                            max_batch=max_batch, memory_bytes=memory_bytes,
+                            free_bytes=free_bytes, device=device)
+    return pool.capacity_tokens, batch
+
+
+def test_a_laptop_gets_32_sequences_and_at_most_half_its_free_memory():
+    assert sized("cpu", 64 * GiB) == (32 * 4096, 32)  # 32 full contexts fit in half
+    assert sized("mps", 2 * GiB) == (GiB // (32 * 1024), 32)  # half of 2 GiB is less
+    assert sized("cpu", None, max_batch=4) == (4 * 4096, 4)  # MLX: no free figure
+
+
+@pytest.mark.parametrize("free, batch", [
+    (120 * GiB, 128),  # an H200 after a 1B model's weights: the batch's ceiling
+    (GiB, 32),  # a small GPU after a big model: the floor
+    (4 * GiB, 51),  # 80% of 4 GiB: 102k tokens of 32 KiB, 51 sequences of 2048
+    (5 * GiB, 64),
+])
+def test_a_cuda_device_sizes_the_batch_from_its_memory(free, batch):
+    tokens, got = sized("cuda:0", free)
+    assert got == batch
+    assert tokens == min(batch * 4096, int(free * 0.8) // (32 * 1024)) // 16 * 16
+
+
+def test_what_is_asked_for_is_what_is_given():
+    assert sized("cuda", 120 * GiB, max_batch=8) == (8 * 4096, 8)
+    # A KV size of 1 GiB on CUDA: the batch follows it (32k tokens: 16 sequences, so 32).
+    assert sized("cuda", 120 * GiB, memory_bytes=GiB) == (32768, 32)
+    assert sized("cuda", 120 * GiB, memory_bytes=16 * GiB)[1] == 128
