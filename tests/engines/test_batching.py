@@ -280,7 +280,7 @@ def test_a_failed_step_of_a_late_answering_executor_fails_every_sequence_awaitin
             return StepOutput(answered)
 
     engine = FakeEngine(reply="x" * 30, max_batch=4)
-    engine.executor = lambda: Late(engine)
+    engine.executor = lambda **options: Late(engine)
     runtime = Runtime(engine)
     events: dict[str, list] = {"a": [], "b": []}
     params = SamplingParams(max_tokens=20, temperature=0.0)
