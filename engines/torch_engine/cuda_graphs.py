@@ -84,7 +84,11 @@ class GraphDecoder:
         self.batches = batch_buckets(max_batch)
         self.lengths = attention_buckets(model.max_len)
         self.pages = -(-model.max_len // self.page)
-        width = TABLE + self.pages
+        # One spare column, never read: a step's inputs are then never the buffer's whole
+        # width, so they are never contiguous, and the compiled step stays one graph for every
+        # attention bucket (Dynamo guards a contiguous slice apart, which cost a third compile,
+        # 12-49 s of every start on an H100).
+        width = TABLE + self.pages + 1
         self.inputs = torch.zeros(max_batch, width, dtype=torch.long, device=device)
         self.inputs[:, WRITE] = kv.trash  # until rows arrive, any write lands in the trash
         # Two pinned host buffers, filled through numpy, that take turns: a step's copy to the
