@@ -122,7 +122,7 @@ class EngineWorker:
                 "kv_cache_bytes": status.kv_tokens * per_token,
                 "kv_cache_used_tokens": status.kv_used_tokens,
                 "kv_cache_tokens": status.kv_tokens,
-                "prefix_cache_tokens": status.prefix_cached_blocks * status.kv_block_size,
+                "prefix_cache_tokens": status.prefix_cache_tokens,
                 "prefix_cache_hit_tokens": status.prefix_cached_tokens}
 
     def _waker_for(self, loop: asyncio.AbstractEventLoop) -> Waker:

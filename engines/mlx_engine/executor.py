@@ -86,12 +86,14 @@ class MLXExecutor:
             self._insert(self._held)
             self._held = []
         cached, self._cached = self._cached, {}
+        kept = None
         if self._cache is not None:
             self._cache.fit()  # the running sequences grew: kept prefixes give way
+            kept = self._cache.tokens
         if not self._uid:
             if self._held:  # an idle generator waiting out the quiet window: no busy loop
                 time.sleep(min(self.quiet_s / 4, 0.0005))
-            return StepOutput({}, cached_tokens=cached)
+            return StepOutput({}, cached_tokens=cached, kept_tokens=kept)
         if self._prefilling:
             self._gen.prefill_step_size = max(self.min_chunk,
                                               self._budget // len(self._prefilling))
@@ -108,7 +110,7 @@ class MLXExecutor:
                 self._prefilling.discard(seq_id)
                 if r.finish_reason is not None:  # the generator dropped it already
                     self._forget(seq_id)
-        return StepOutput(tokens, scored, cached_tokens=cached)
+        return StepOutput(tokens, scored, cached_tokens=cached, kept_tokens=kept)
 
     @staticmethod
     def collect(output: StepOutput) -> StepOutput:

@@ -39,6 +39,11 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def tokens(self) -> int:
+        """Tokens of KV kept, in all."""
+        return sum(len(e.tokens) for e in self._entries.values())
+
     def put(self, tokens: Sequence[int], layers: list) -> None:
         """Keep a sequence's caches (one a layer) holding `tokens`. Only plain KV caches whose
         length is the tokens' (a sliding window's or a state space layer's cannot be cut to a

@@ -96,6 +96,8 @@ class StepOutput:
     # Sequences that joined this step with cached KV (an executor's own prefix cache): seq id ->
     # prompt tokens not prefilled.
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    # Tokens of KV the executor's own prefix cache keeps now (None: it keeps none of its own).
+    kept_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class RuntimeStatus:
     kv_blocks: int = 0
     kv_block_size: int = 0
     kv_bytes_per_token: int = 0
-    prefix_cached_blocks: int = 0  # blocks in the prefix cache, held or evictable
+    prefix_cache_tokens: int = 0  # tokens of KV kept in the prefix cache (held or evictable)
     prefix_cached_tokens: int = 0  # prompt tokens taken from it instead of prefilled, in all
 
     @property

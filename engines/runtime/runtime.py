@@ -92,6 +92,7 @@ class Runtime:
         # is the runtime's own host work (scheduling, detokenizing, handing events over).
         self.step_s = 0.0
         self.execute_s = 0.0
+        self._kept = 0  # tokens the executor's own prefix cache keeps, as it last said
 
     @property
     def has_work(self) -> bool:
@@ -102,7 +103,8 @@ class Runtime:
         pool = self.scheduler.pool
         return RuntimeStatus(self.last_batch, self.step_s, self.execute_s, pool.used_blocks,
                              self.scheduler.max_batch, pool.num_blocks, pool.block_size,
-                             pool.bytes_per_token, pool.cached_blocks,
+                             pool.bytes_per_token,
+                             pool.cached_blocks * pool.block_size + self._kept,
                              self.scheduler.cached_tokens)
 
     def add(self, sub: Submission) -> None:
@@ -205,6 +207,8 @@ class Runtime:
             live = self._live.get(seq_id)
             if live is not None and live.out.prompt_scores is not None:
                 live.out.prompt_scores.update(enumerate(scores, first))
+        if output.kept_tokens is not None:
+            self._kept = output.kept_tokens
         for seq_id, n in output.cached_tokens.items():
             live = self._live.get(seq_id)
             if live is not None and not live.out.cached_tokens:  # its first join counts

@@ -380,10 +380,13 @@ def test_a_chats_second_turn_reuses_the_first_turns_kv(client, server, engine):
     (whole 16-token blocks of it on torch), and /metrics the prefill it saved."""
     import httpx
 
-    def saved() -> float:
+    def metric(name: str) -> float:
         text = httpx.get(server.url + "/metrics").text
         return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("duet_prompt_tokens_cached_total{"))
+                   if line.startswith(name + "{") and f'engine="{engine}"' in line)
+
+    def saved() -> float:
+        return metric("duet_prompt_tokens_cached_total")
 
     before = saved()
     first = chat(client, engine, max_tokens=12)
@@ -395,3 +398,4 @@ def test_a_chats_second_turn_reuses_the_first_turns_kv(client, server, engine):
     held = first.usage.prompt_tokens
     assert (held // 16 * 16 if engine == "torch" else held) <= cached < second.usage.prompt_tokens
     assert saved() - before >= cached
+    assert metric("duet_engine_prefix_cache_tokens") >= held // 16 * 16  # what it keeps now
