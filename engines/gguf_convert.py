@@ -99,7 +99,7 @@ def gguf_config(reader) -> dict:
     }
 
 
-def _convert_weights(reader, config: dict, out_dir: Path, progress) -> None:
+def _convert_weights(reader, config: dict, out_dir: Path, progress, float32: bool) -> None:
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
@@ -107,7 +107,7 @@ def _convert_weights(reader, config: dict, out_dir: Path, progress) -> None:
     for t in progress(reader.tensors):
         name = hf_tensor_name(t.name)
         array = np.ascontiguousarray(dequantize(t.data, t.tensor_type),
-                                     dtype=stored_dtype(t.tensor_type.name))
+                                     dtype=stored_dtype(t.tensor_type.name, float32))
         if name.endswith("q_proj.weight"):
             array = unpermute_rotary(array, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -116,9 +116,10 @@ def _convert_weights(reader, config: dict, out_dir: Path, progress) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def stored_dtype(gguf_type: str) -> type:
-    """The numpy dtype a GGUF tensor of this type is written in."""
-    return np.float32 if gguf_type in ("F32", "F64", "BF16") else np.float16
+def stored_dtype(gguf_type: str, float32: bool = False) -> type:
+    """The numpy dtype a GGUF tensor of this type is written in (float32: every one asked
+    for in float32)."""
+    return np.float32 if float32 or gguf_type in ("F32", "F64", "BF16") else np.float16
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -128,8 +129,10 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tok.save_pretrained(str(out_dir))
 
 
-def convert_gguf(gguf_path: Path, target: Path, show_progress: bool = True) -> Path:
-    """Convert once; return the finished directory (an existing complete one is reused)."""
+def convert_gguf(gguf_path: Path, target: Path, show_progress: bool = True, *,
+                 float32: bool = False) -> Path:
+    """Convert once; return the finished directory (an existing complete one is reused).
+    float32: every tensor dequantized to float32 instead of quantized ones to float16."""
 
     def build(tmp: Path) -> None:
         from gguf import GGUFReader
@@ -137,7 +140,7 @@ def convert_gguf(gguf_path: Path, target: Path, show_progress: bool = True) -> P
         reader = GGUFReader(str(gguf_path))
         config = gguf_config(reader)
         with _progress(show_progress, f"converting {gguf_path.name}") as progress:
-            _convert_weights(reader, config, tmp, progress)
+            _convert_weights(reader, config, tmp, progress, float32)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _convert_tokenizer(gguf_path, tmp)
         (tmp / COMPLETE_MARKER).write_text(

@@ -65,18 +65,11 @@ def main() -> int:
     gguf = find_package_file(args.gguf)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        variants = {"duet-converted (float16 storage)": None,
-                    "float32-converted": lambda kind: np.float32}
+        variants = {"duet-converted (float16 storage)": False, "float32-converted": True}
         ids = None
-        for name, storage in variants.items():
-            real = gguf_convert.stored_dtype
-            if storage is not None:
-                gguf_convert.stored_dtype = storage
-            try:
-                model_dir = gguf_convert.convert_gguf(gguf, Path(tmp) / name.split()[0],
-                                                      show_progress=False)
-            finally:
-                gguf_convert.stored_dtype = real
+        for name, float32 in variants.items():
+            model_dir = gguf_convert.convert_gguf(gguf, Path(tmp) / name.split()[0],
+                                                  show_progress=False, float32=float32)
             engine = TorchEngine(model_dir, context_length=args.window, dtype="float32",
                                  device="cpu")
             if ids is None:

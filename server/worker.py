@@ -60,6 +60,7 @@ class WorkerStatus:
 
 DEFAULT_QUEUE = 32  # requests that may wait behind a batch smaller than this
 
+
 class EngineWorker:
     def __init__(self, label: str, *, max_queue: int | None = 32,
                  timeout_s: float | None = None, process: bool = False):

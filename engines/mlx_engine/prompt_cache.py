@@ -35,14 +35,10 @@ class PromptCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
         self.nbytes = 0
+        self.tokens = 0  # tokens of KV kept, in all
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of KV kept, in all."""
-        return sum(len(e.tokens) for e in self._entries.values())
 
     def put(self, tokens: Sequence[int], layers: list) -> None:
         """Keep a sequence's caches (one a layer) holding `tokens`. Only plain KV caches whose
@@ -62,6 +58,7 @@ class PromptCache:
         self._entries[self._next] = entry
         self._next += 1
         self.nbytes += entry.nbytes
+        self.tokens += len(entry.tokens)
         while len(self._entries) > self.max_entries:
             self._evict()
         self.fit()
@@ -91,13 +88,10 @@ class PromptCache:
         while self._entries and self._pool.used_bytes + self.nbytes > self._pool.capacity_bytes:
             self._evict()
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
-
     def _evict(self) -> None:
         _, entry = self._entries.popitem(last=False)
         self.nbytes -= entry.nbytes
+        self.tokens -= len(entry.tokens)
 
 
 def _cut(cache, n: int):

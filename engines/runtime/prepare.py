@@ -45,9 +45,11 @@ class Preparer(Generic[T]):
 
     def drop(self, keep: Callable[[T], bool]) -> list[T]:
         """Forget the items keep() refuses (their work finishes unread); they are returned."""
-        dropped = [item for item, _ in self._pending if not keep(item)]
-        self._pending = [(item, f) for item, f in self._pending if keep(item)]
-        return dropped
+        dropped, kept = [], []
+        for entry in self._pending:
+            (kept if keep(entry[0]) else dropped).append(entry)
+        self._pending = kept
+        return [item for item, _ in dropped]
 
     def close(self) -> None:
         self._pending = []

@@ -46,6 +46,7 @@ from .plan import PENDING, RowSampling, ScheduledSeq, StepOutput, StepPlan
 
 SCORED_TOKEN_COST = 2
 
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
@@ -206,25 +207,22 @@ class Scheduler:
                     [*seq.prompt, *seq.generated], seq.length - 1)
                 seq.computed = len(seq.blocks) * self.pool.block_size
                 if self._prefilled_soon(seq):
-                    self.pool.release(seq.blocks)
-                    seq.keys, seq.computed = [], 0
+                    self._untake(seq)
                     return
             pending = seq.length - seq.computed
             cost = self._cost(seq)
             n = 1 if pending == 1 else self._chunk(pending, self._affords(budget, cost))
             # The whole prompt's blocks are taken now, so its later chunks never stall.
             if n == 0 or not self.pool.grow(seq.blocks, seq.length + self._lag):
-                self.pool.release(seq.blocks)  # cached blocks taken go back, as they were
-                seq.keys, seq.computed = [], 0
+                self._untake(seq)
                 return
             self.waiting.popleft()
             self.cached_tokens += seq.computed
-            if seq.first_scheduled is None:
-                seq.cached_tokens = seq.computed
             self.running.append(seq)
             seq.peak_blocks = max(seq.peak_blocks, len(seq.blocks))
             if seq.first_scheduled is None:
                 seq.first_scheduled = self.clock()
+                seq.cached_tokens = seq.computed
             rows.append((seq, n))
             if pending > 1:
                 budget -= n * cost
@@ -264,6 +262,11 @@ class Scheduler:
         seq.computed = 0
         seq.keys = []
         self.waiting.appendleft(seq)
+
+    def _untake(self, seq: Sequence) -> None:
+        """A sequence that stays waiting gives back the cached blocks it took, as they were."""
+        self.pool.release(seq.blocks)
+        seq.keys, seq.computed = [], 0
 
     def _prefilled_soon(self, seq: Sequence) -> bool:
         """Whether a running sequence is prefilling full blocks of seq's prompt beyond those

@@ -100,6 +100,7 @@ def build_batch(rows: Sequence[ScheduledSeq], kv: PagedKV, max_len: int, window:
     slots = table.gather(1, (positions // bs).clamp(max=table.shape[1] - 1)) * bs + positions % bs
     write = torch.where(real, slots, kv.trash).reshape(-1)
     fresh = bool((starts == 0).all())
+
     def moved(x: torch.Tensor) -> torch.Tensor:  # not waiting for the steps queued before
         return to_device(x, x.dtype, device)
 
