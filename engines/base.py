@@ -157,6 +157,8 @@ class EngineInfo:
     context_length: int
     backend_version: str
     extra: dict[str, str] = field(default_factory=dict)
+    # The weights' format: "none" (as stored), or what engines/quantization.py describes.
+    quantization: str = "none"
 
 
 class EngineError(Exception):

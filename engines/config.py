@@ -37,6 +37,14 @@ class ModelSpec(BaseModel):
     )
     engine: Literal["torch", "mlx", "auto"] = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    quantize: Literal["auto", "none", "int8", "int4", "fp8"] = Field(
+        "auto",
+        description=(
+            "weights served in int8, int4 (groups of 64) or fp8 (torch engine; e4m3 with fp8 "
+            "tensor cores on CUDA), or none; auto keeps a quantized GGUF's precision (Q4 files "
+            "int4 in groups of 32, 5-8 bit ones int8) and serves anything else as stored"
+        ),
+    )
     context_length: int = Field(default=4096, ge=16, le=1 << 20)
     task: Literal["generate", "classify", "embed"] = Field(
         "generate",
@@ -53,6 +61,9 @@ class ModelSpec(BaseModel):
         if self.task == "classify" and self.engine == "mlx":
             raise ValueError("task 'classify' models run on the torch engine: set engine to "
                              "torch or auto")
+        if self.task != "generate" and self.quantize not in ("auto", "none"):
+            raise ValueError(f"quantize '{self.quantize}' is for generate models; task "
+                             f"'{self.task}' models are served as stored")
         if self.task in ("classify", "embed") and self.source_kind == "dummy":
             raise ValueError(f"task '{self.task}' needs a real checkpoint, not a dummy: source")
         return self

@@ -34,7 +34,8 @@ def choose_device(requested: str = "auto") -> str:
 
 
 def choose_dtype(requested: str, device: str) -> str:
-    """bf16 on CUDA, fp16 on MPS (bf16 MPS kernels need a recent macOS), fp32 on CPU."""
+    """bf16 on CUDA, fp16 on MPS (bf16 MPS kernels need a recent macOS), fp32 on CPU (where
+    quantized weights compute in bf16 inside their kernels, the rest in fp32)."""
     if requested != "auto":
         return requested
     if device.startswith("cuda"):

@@ -51,6 +51,7 @@ def create_engine(
     context_length: int,
     dtype: str = "auto",
     task: str = "generate",
+    quantize: str = "auto",
     runtime_options: dict | None = None,
     **torch_options,
 ) -> Engine | Embedder:
@@ -81,8 +82,8 @@ def create_engine(
         from .torch_engine import TorchEngine
 
         return TorchEngine(model_dir, context_length=context_length, dtype=dtype,
-                           **(runtime_options or {}), **torch_options)
+                           quantize=quantize, **(runtime_options or {}), **torch_options)
     from .mlx_engine import MLXEngine
 
     return MLXEngine(model_dir, context_length=context_length, dtype=dtype,
-                     **(runtime_options or {}))
+                     quantize=quantize, **(runtime_options or {}))

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from .atomic_dir import build_atomically
+from .quantization import SOURCE_KEY
 
 COMPLETE_MARKER = "duet-complete.json"
-CONVERTER_VERSION = 2  # 1 wrote every tensor in float32
+CONVERTER_VERSION = 3  # 1 wrote every tensor in float32; 2 did not record the source's type
 
 # llama.cpp's tensor names -> Hugging Face's, per block and global.
 _BLOCK_NAMES = {
@@ -96,7 +97,19 @@ def gguf_config(reader) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": "float16",
+        **({SOURCE_KEY: quant} if (quant := source_quantization(reader)) else {}),
     }
+
+
+def source_quantization(reader) -> str | None:
+    """The quantized type most of the blocks' matrices are stored in (a "Q4_1" file keeps its
+    embedding in Q8_0 and its norms in F32): what the engines serve it in by default."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if t.name.startswith("blk.") and len(t.shape) == 2 and kind not in _FLOAT_TYPES:
+            counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def _convert_weights(reader, config: dict, out_dir: Path, progress, float32: bool) -> None:
@@ -120,6 +133,9 @@ def stored_dtype(gguf_type: str, float32: bool = False) -> type:
     """The numpy dtype a GGUF tensor of this type is written in (float32: every one asked
     for in float32)."""
     return np.float32 if float32 or gguf_type in ("F32", "F64", "BF16") else np.float16
+
+
+_FLOAT_TYPES = ("F32", "F64", "F16", "BF16")
 
 
 def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:

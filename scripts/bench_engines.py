@@ -102,8 +102,9 @@ def print_table(rows, title):
 def ratios(results, new_tokens) -> dict[str, float]:
     by = {(r.system, r.prompt_tokens): r.median("decode_tokens_per_s") for r in results if not r.error}
     out = {}
+    refs = {s for s, _ in by if s.split(":")[0] in ("hf-dynamic", "hf-static-compile", "mlx-lm")}
     for (system, n), tps in by.items():
-        for ref in ("hf-dynamic", "hf-static-compile", "mlx-lm"):
+        for ref in sorted(refs):
             if (ref, n) in by and system.startswith("duet"):
                 out[f"{system} / {ref} @ {n}"] = tps / by[(ref, n)]
     return out
@@ -140,7 +141,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default",
                    help="default (the packaged SmolLM2) or a dummy shape: llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b")
-    p.add_argument("--systems", default="duet-torch,duet-mlx,hf-dynamic,hf-static-compile,mlx-lm")
+    p.add_argument("--systems", default="duet-torch,duet-mlx,hf-dynamic,hf-static-compile,mlx-lm",
+                   help="names, each with options after a colon: a dtype, and for duet's engines "
+                        "a quantization (duet-torch:int4, hf-dynamic:bfloat16, "
+                        "duet-torch:float32+none)")
     p.add_argument("--prompts", default="128,1024", help="prompt lengths in tokens")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -170,14 +174,7 @@ def main(argv=None) -> int:
     print(f"device {report.device_name(device)}: copy {bandwidth / 1e9:.0f} GB/s; weights "
           f"{wbytes / 2**30:.2f} GiB; floor {floor_tps:.0f} tok/s", flush=True)
 
-    chosen = []
-    for name in args.systems.split(","):
-        if name == "duet-torch":
-            chosen.append(systems.DuetTorch(device, args.compile))
-        elif name in ("hf-dynamic", "hf-static-compile"):
-            chosen.append(systems.SYSTEMS[name](device))
-        else:
-            chosen.append(systems.SYSTEMS[name]())
+    chosen = [systems.make(name, device, args.compile) for name in args.systems.split(",")]
     # Interleaved: every system loaded together; otherwise one at a time, each freed before
     # the next loads (GPU memory), with the table so far printed after each.
     results = []

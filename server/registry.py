@@ -51,7 +51,8 @@ class BackendEngineFactory:
         options = self.torch_options if name == "torch" else {}
         return create_engine(
             name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
-            task=spec.task, runtime_options=self.runtime_options, **options,
+            task=spec.task, quantize=spec.quantize, runtime_options=self.runtime_options,
+            **options,
         )
 
 

@@ -37,6 +37,8 @@ def free_torch() -> None:
 class DuetTorch:
     name = "duet-torch"
 
+    quantize = "auto"
+
     def __init__(self, device: str = "auto", compile: str = "auto"):
         self.device, self.compile = device, compile
 
@@ -44,7 +46,8 @@ class DuetTorch:
         from ..torch_engine import TorchEngine
 
         self.engine = TorchEngine(model_dir, context_length=context, dtype=dtype,
-                                  device=self.device, compile=self.compile)
+                                  device=self.device, compile=self.compile,
+                                  quantize=self.quantize)
 
     def run(self, prompt: list[int], new_tokens: int) -> Measurement:
         stats = engine_run(self.engine, prompt, new_tokens)
@@ -65,7 +68,8 @@ class DuetMLX(DuetTorch):
     def setup(self, model_dir: Path, dtype: str, context: int) -> None:
         from ..mlx_engine import MLXEngine
 
-        self.engine = MLXEngine(model_dir, context_length=context, dtype=dtype)
+        self.engine = MLXEngine(model_dir, context_length=context, dtype=dtype,
+                                quantize=self.quantize)
 
 
 # ---------------------------------------------------------------- references
@@ -214,6 +218,49 @@ SYSTEMS = {
     "duet-torch": DuetTorch, "duet-mlx": DuetMLX, "hf-dynamic": HFGenerate,
     "hf-static-compile": HFStaticCompile, "mlx-lm": MLXLMGenerate,
 }
+
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class Variant:
+    """A system under options of its own, named 'system:opt+opt': a dtype for any system
+    ('hf-dynamic:bfloat16'), a weight quantization for duet's engines ('duet-torch:int4',
+    'duet-torch:bfloat16+int8')."""
+
+    def __init__(self, system, options: str):
+        from ..quantization import CHOICES
+
+        self.system, self.name = system, f"{system.name}:{options}"
+        self.dtype = None
+        for opt in options.split("+"):
+            if opt in _DTYPES:
+                self.dtype = opt
+            elif opt in CHOICES and isinstance(system, DuetTorch):
+                system.quantize = opt
+            else:
+                raise ValueError(f"{system.name} takes no option '{opt}'")
+
+    def setup(self, model_dir: Path, dtype: str, context: int) -> None:
+        self.system.setup(model_dir, self.dtype or dtype, context)
+
+    def run(self, prompt: list[int], new_tokens: int) -> Measurement:
+        return self.system.run(prompt, new_tokens)
+
+    def teardown(self) -> None:
+        self.system.teardown()
+
+
+def make(spec: str, device: str = "auto", compile: str = "auto"):
+    """A system by its name, with options after a colon (Variant)."""
+    name, _, options = spec.partition(":")
+    if name == "duet-torch":
+        system = DuetTorch(device, compile)
+    elif name in ("hf-dynamic", "hf-static-compile"):
+        system = SYSTEMS[name](device)
+    else:
+        system = SYSTEMS[name]()
+    return Variant(system, options) if options else system
 
 
 # Reference name (/bench) -> its system, and the engine whose backend it needs (so it is offered

@@ -16,6 +16,8 @@ from ..base import EngineInfo
 from ..dummy import is_dummy
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..model_config import attention_window
+from ..quantization import Quantization
+from ..quantization import resolve as resolve_quantization
 from ..runtime.sizing import (
     describe_pool,
     fit_context,
@@ -62,7 +64,8 @@ class MLXEngine(GenerationEngine):
 
     def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto",
                  kv_cache_memory: int | None = None, max_batch: int | None = None,
-                 max_prefill_tokens: int | None = None, prefix_cache: bool = True):
+                 max_prefill_tokens: int | None = None, prefix_cache: bool = True,
+                 quantize: str = "auto"):
         from mlx_lm.utils import load_model
 
         started = time.perf_counter()
@@ -76,6 +79,10 @@ class MLXEngine(GenerationEngine):
             model_config=_legacy_rope_keys(config),
         )
         self.model.set_dtype(_MX_DTYPES[self.dtype])
+        self.quantization = resolve_quantization(quantize, config, "mlx")
+        if self.quantization is not None:
+            quantize_weights(self.model, self.quantization)
+            log.info("weights quantized to %s", self.quantization.describe())
         mx.eval(self.model.parameters())
         window = attention_window(config)
         if window is not None and window < context_length:
@@ -105,6 +112,7 @@ class MLXEngine(GenerationEngine):
             dtype=self.dtype,
             context_length=self.context_length,
             backend_version=f"mlx {mx.__version__}, mlx-lm {_mlx_lm_version()}",
+            quantization=self.quantization.describe() if self.quantization else "none",
             extra=pool_info(pool, max_batch),
         )
         log.info(
@@ -136,6 +144,23 @@ class MLXEngine(GenerationEngine):
 
     def close(self) -> None:
         self.model = None
+
+
+def quantize_weights(model, quant: Quantization) -> None:
+    """MLX's own affine format (mlx-lm's q4/q8): groups of quant.group_size inputs, a scale and
+    a bias each. The LM head, or the embedding a tied head reads, keeps 8 bits in an int4
+    model, as on the torch engine."""
+    from mlx import nn
+
+    bits = 4 if quant.format == "int4" else 8
+
+    def predicate(path: str, module) -> bool | dict:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % quant.group_size:
+            return False
+        head = path == "lm_head" or path.endswith("embed_tokens")
+        return {"group_size": quant.group_size, "bits": 8 if head else bits, "mode": "affine"}
+
+    nn.quantize(model, class_predicate=predicate)
 
 
 def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:

@@ -20,6 +20,7 @@ from ..device import (
     torch_dtype,
 )
 from ..generation import GenerationEngine, warm_up
+from ..quantization import resolve as resolve_quantization
 from ..runtime.sizing import (
     describe_pool,
     fit_context,
@@ -28,9 +29,9 @@ from ..runtime.sizing import (
     size_pool,
 )
 from ..tokenizer import ChatTokenizer
-from . import cpu_linear
+from . import cpu_linear, quant
 from .executor import TorchExecutor
-from .loader import load_model
+from .loader import load_model, read_config
 from .paged import PagedKV
 
 log = logging.getLogger("duet.engines.torch")
@@ -55,17 +56,23 @@ class TorchEngine(GenerationEngine):
         max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
         prefix_cache: bool = True,
+        quantize: str = "auto",
     ):
         started = time.perf_counter()
         model_dir = Path(model_dir)
         self.device = choose_device(device)
         if self.device == "mps":
             configure_mps(mps_memory_fraction)
+        self.quantization = resolve_quantization(quantize, read_config(model_dir), "torch")
         self.dtype = choose_dtype(dtype, self.device)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
-        if onednn_linears(self.device, compile, torch_dtype(self.dtype)):
+        if self.quantization is not None:
+            counts = quant.quantize_model(self.model, self.quantization, self.device)
+            log.info("weights quantized to %s: %s", self.quantization.describe(),
+                     ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        elif onednn_linears(self.device, compile, torch_dtype(self.dtype)):
             log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
         elif self.device == "cpu" and compile != "on" and self.dtype != "float32":
             log.info("cpu: %d linear layers run through ATen, in float32 for more than %d rows: "
@@ -95,6 +102,7 @@ class TorchEngine(GenerationEngine):
             dtype=self.dtype,
             context_length=self.context_length,
             backend_version=f"torch {torch.__version__}",
+            quantization=self.quantization.describe() if self.quantization else "none",
             extra={"cuda_graphs": str(self.decoder is not None).lower(),
                    **pool_info(pool, max_batch)},
         )

@@ -23,6 +23,22 @@ def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
+def refuse_quantized_checkpoint(cfg: dict, model_dir: Path) -> None:
+    """Weights quantized on disk in another library's layout (mlx-lm's, or GPTQ/AWQ/bitsandbytes
+    in Hugging Face's quantization_config) have no loader here: say so before reading them."""
+    if "quantization" in cfg:
+        bits = cfg["quantization"].get("bits", "?") if isinstance(cfg["quantization"], dict) else "?"
+        raise UnsupportedModel(
+            f"{model_dir.name} is an MLX {bits}-bit checkpoint: serve it on the mlx engine, or "
+            f"give the torch engine its float weights with quantize = \"int4\" or \"int8\"")
+    if "quantization_config" in cfg:
+        method = cfg["quantization_config"].get("quant_method", "quantized") \
+            if isinstance(cfg["quantization_config"], dict) else "quantized"
+        raise UnsupportedModel(
+            f"{model_dir.name} is a {method} checkpoint, which the torch engine cannot load: "
+            f"give it the float weights with quantize = \"int4\", \"int8\" or \"fp8\"")
+
+
 def _safetensor_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -54,6 +70,7 @@ def _fuse(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Te
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
     cfg = read_config(model_dir)
+    refuse_quantized_checkpoint(cfg, model_dir)
     args = ModelArgs.from_hf(cfg)
     if is_dummy(cfg):
         return random_model(args, dtype, device)

@@ -13,6 +13,7 @@ def _model_card(registry, spec, created: int) -> dict:
             "loaded": info is not None,
             "device": info.device if info else None,
             "dtype": info.dtype if info else None,
+            "quantization": info.quantization if info else None,
         }
         worker = registry.loaded_worker(spec.id, name)
         if worker is not None:
@@ -22,7 +23,7 @@ def _model_card(registry, spec, created: int) -> dict:
         engines.append(card)
     return {
         "id": spec.id, "object": "model", "created": created, "owned_by": "duet",
-        "task": spec.task, "context_length": spec.context_length,
+        "task": spec.task, "context_length": spec.context_length, "quantize": spec.quantize,
         "default_engine": registry.default_engine(spec.id), "engines": engines,
     }
 

@@ -19,8 +19,9 @@ INSTRUCTION = "What is the sentiment of the text?"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with LiveServer(create_app(Settings())) as live:
+def server(float_models_file):
+    # exact comparisons with references and across engines: the float model (conftest)
+    with LiveServer(create_app(Settings(models_file=float_models_file))) as live:
         yield live
 
 

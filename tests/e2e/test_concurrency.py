@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -92,18 +93,21 @@ async def together(url: str) -> list[str]:
         await aclient.close()
 
 
-def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers():
-    with LiveServer(create_app(Settings(engine_process="off"))) as server:
+def test_sixteen_concurrent_greedy_requests_equal_the_sequential_answers(float_models_file):
+    with LiveServer(create_app(Settings(engine_process="off",
+                                        models_file=float_models_file))) as server:
         sequential = asyncio.run(one_at_a_time(server.url))
         concurrent = asyncio.run(together(server.url))
     assert len(set(sequential)) > 8  # different prompts really give different answers
     assert concurrent == sequential
     # Each engine in a process of its own (the default on CUDA) answers the same.
-    with LiveServer(create_app(Settings(engine_process="on"))) as server:
+    with LiveServer(create_app(Settings(engine_process="on",
+                                        models_file=float_models_file))) as server:
         assert asyncio.run(together(server.url)) == sequential
 
 
 def test_a_short_request_during_long_ones_finishes_long_before_them():
+    # the default model as served by default: its GGUF's Q4_1 kept as int4 in groups of 32
     with LiveServer(create_app(Settings())) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
         long_args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 120,
@@ -131,6 +135,10 @@ def test_a_short_request_during_long_ones_finishes_long_before_them():
         short_done = time.monotonic()
         for t in threads:
             t.join()
+        card = httpx.get(f"{server.url}/v1/models/{MODEL}").json()
+    torch_card = next(e for e in card["engines"] if e["name"] == "torch")
+    assert card["quantize"] == "auto"
+    assert torch_card["quantization"] == "int4, groups of 32 (kept from the GGUF's Q4_1)"
     assert short.usage.completion_tokens == 4
     assert len(ended) == 3
     assert short_done < min(ended.values())  # done before any long one

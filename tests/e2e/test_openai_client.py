@@ -22,8 +22,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with LiveServer(create_app(Settings())) as live:
+def server(float_models_file):
+    # exact comparisons with references and across engines: the float model (conftest)
+    with LiveServer(create_app(Settings(models_file=float_models_file))) as live:
         yield live
 
 

@@ -62,7 +62,8 @@ def test_converted_model_matches_transformers_gguf_loader(converted, gguf_path):
     reference = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
-    engine = TorchEngine(converted, context_length=256, dtype="float32", device="cpu")
+    engine = TorchEngine(converted, context_length=256, dtype="float32", device="cpu",
+                         quantize="none")
     ids = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].numpy()
@@ -107,3 +108,25 @@ def test_rotary_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert script: reshape(n_head, 2, dim/2, ...).swapaxes(1, 2)
     permuted = w.reshape(n_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     np.testing.assert_array_equal(gguf_convert.unpermute_rotary(permuted, n_heads), w)
+
+
+def test_conversion_records_the_source_quantization_and_int4_groups_hold_its_blocks(converted,
+                                                                                   gguf_path):
+    """config.json names the type most block matrices had (what quantize = "auto" keeps), and
+    int4 in groups of 32 reproduces those Q4_1 blocks to within their float16 storage."""
+    import json
+
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from engines.quantization import SOURCE_KEY, resolve
+    from engines.torch_engine import quant
+
+    config = json.loads((converted / "config.json").read_text())
+    assert config[SOURCE_KEY] == "Q4_1"
+    chosen = resolve("auto", config, "torch")
+    assert (chosen.format, chosen.group_size) == ("int4", 32)
+    tensor = next(t for t in GGUFReader(str(gguf_path)).tensors if t.name == "blk.0.ffn_down.weight")
+    w = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype(np.float16)).float()
+    back = quant.dequantize_int4(*quant.quantize_int4(w, 32), 32)
+    assert (back - w).abs().max().item() <= 2e-3 * w.abs().max().item()

@@ -1,0 +1,253 @@
+"""Weight-only quantized linear layers: the model's weights in fewer bytes, its activations in
+its dtype.
+
+Decode reads every weight once per step, so its speed is the weights' bytes: int8 halves
+bfloat16's, int4 quarters them. Three formats:
+- int8: one scale per output channel (symmetric, absmax / 127), gpt-fast's int8.
+- int4: groups of `group_size` inputs, each with a scale and a zero: w = (q - 8) * scale + zero,
+  q in 0..15; this is tinygemm's layout (torch._weight_int4pack_mm) and holds GGUF's Q4_0/Q4_1
+  blocks of 32 exactly (Q4_1's w = q * d + m is zero = m + 8 * d).
+- fp8: float8 e4m3 weights with one scale per output channel.
+
+Which kernel a layer runs is decided once, per device, by `kernel()`:
+- CPU: ATen's packed int8/int4 kernels, in bfloat16 (their float32 paths are 8-25x slower on
+  an AVX2 EPYC); their cost grows with the rows, so an int8 layer of more than 16 rows (prefill)
+  dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
+  against the kernel's 15.7 and float32's 6.7).
+- CUDA: int4 through tinygemm (bfloat16); int8 and fp8 as `linear(x, w.to(dtype)) * scale`,
+  which Inductor fuses into one weight-reading kernel for the compiled decode step; fp8 of many
+  rows on GPUs with fp8 tensor cores (compute capability 8.9+) through torch._scaled_mm, the
+  activations quantized per row.
+- elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
+  memory is still the quantized bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quantization import DEFAULT_GROUP, Quantization
+
+# Below this many rows an fp8 layer is a weight read (decode); at or above, tensor-core math.
+SCALED_MM_ROWS = 16
+FP8_MAX = 448.0
+
+
+# --- the formats' arithmetic, device-independent (tests check the kernels against these) ---
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel: int8 [N, K] and a float32 scale [N]."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric, by groups of inputs: q uint8 [N, K] in 0..15, scale and zero float32 [N, K/g]
+    (each group's min maps to q = 0 and its max to q = 15)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-10)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    zero = lo + 8.0 * scale
+    return q.to(torch.uint8).reshape(n, k), scale, zero
+
+
+def dequantize_int4(q, scale, zero, group: int) -> torch.Tensor:
+    n, k = q.shape
+    g = q.float().reshape(n, k // group, group) - 8.0
+    return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel: float8 e4m3 [N, K] and a float32 scale [N]."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return w8.float() * scale.float()[:, None]
+
+
+# --- which kernel ---
+
+def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_GROUP) -> str:
+    """'cpu', 'cuda' or 'dequant' (the portable path) for a layer of this format and [N, K]."""
+    n, k = shape
+    if device == "cpu":
+        if fmt == "int4" and (k % group or n % 16):
+            return "dequant"
+        return "dequant" if fmt == "fp8" else "cpu"
+    if device.startswith("cuda"):
+        # tinygemm packs K in tiles of 8 x 16 and N in 8s.
+        if fmt == "int4" and (k % 128 or n % 8 or k % group):
+            return "dequant"
+        return "cuda"
+    return "dequant"
+
+
+def fp8_tensor_cores(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# --- the layers ---
+
+class QuantLinear(nn.Module):
+    """A linear layer of a quantized weight."""
+
+    format: str
+    in_features: int
+    out_features: int
+    kernel: str
+    bias: torch.Tensor | None
+
+    def _dequant_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # On the CPU reduced-precision matmuls of many rows are slow without AVX-512 (see
+        # cpu_linear); float32 is fast everywhere there.
+        compute = torch.float32 if x.device.type == "cpu" else x.dtype
+        bias = None if self.bias is None else self.bias.to(compute)
+        return F.linear(x.to(compute), w.to(compute), bias).to(x.dtype)
+
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+class Int8Linear(QuantLinear):
+    format = "int8"
+
+    def __init__(self, linear: nn.Linear, kernel_name: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel_name
+        q, scale = quantize_int8(linear.weight.detach())
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        # ATen's CPU kernel takes the scales in the activations' dtype, and is fast in bfloat16.
+        if kernel_name == "cpu":
+            self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "cuda":
+            return self._finish(F.linear(x, self.qweight.to(x.dtype)) * self.scale, x)
+        if self.kernel == "cpu":
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
+                                          self.qweight, self.scale_bf16)
+            return self._finish(y, x)
+        return self._dequant_linear(x, dequantize_int8(self.qweight, self.scale))
+
+
+class Int4Linear(QuantLinear):
+    format = "int4"
+    """The packed kernels run every call, prefill included: ATen keeps no unpacked copy to
+    dequantize from (on the CPU a 512-row product costs 2.5x float32's; decode is the gain)."""
+
+    def __init__(self, linear: nn.Linear, kernel_name: str, group: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel, self.group = kernel_name, group
+        q, scale, zero = quantize_int4(linear.weight.detach(), group)
+        if kernel_name == "dequant":
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero", zero)
+        else:
+            # [K/g, N, 2]: the layout both of ATen's int4 kernels take, in bfloat16 (tinygemm's).
+            sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+            self.register_buffer("scales_zeros", sz)
+            if kernel_name == "cpu":
+                packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            else:
+                pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+                packed = torch._convert_weight_to_int4pack(pairs, 8)
+            self.register_buffer("packed", packed)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "cuda":
+            y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
+                                          self.scales_zeros)
+            return self._finish(y, x)
+        if self.kernel == "cpu":
+            # Its float32 path is 25x slower than its bfloat16 one on an AVX2 EPYC.
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed,
+                                                  self.group, self.scales_zeros)
+            return self._finish(y, x)
+        return self._dequant_linear(x, dequantize_int4(self.q, self.scale, self.zero, self.group))
+
+
+class FP8Linear(QuantLinear):
+    format = "fp8"
+
+    def __init__(self, linear: nn.Linear, kernel_name: str, tensor_cores: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel, self.tensor_cores = kernel_name, tensor_cores
+        w8, scale = quantize_fp8(linear.weight.detach())
+        self.register_buffer("weight8", w8)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel != "cuda":
+            return self._dequant_linear(x, dequantize_fp8(self.weight8, self.scale))
+        if self.tensor_cores and _rows(x) >= SCALED_MM_ROWS:
+            x2 = x.reshape(-1, self.in_features)
+            x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+            x8 = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            y = torch._scaled_mm(x8, self.weight8.t(), scale_a=x_scale,
+                                 scale_b=self.scale[None, :], out_dtype=x.dtype)
+            return self._finish(y, x)
+        return self._finish(F.linear(x, self.weight8.to(x.dtype)) * self.scale.to(x.dtype), x)
+
+
+def quantize_linear(linear: nn.Linear, config: Quantization, device: str,
+                    fmt: str | None = None) -> QuantLinear:
+    fmt = fmt or config.format
+    if fmt == "int4" and linear.in_features % config.group_size:
+        fmt = "int8"  # its inputs do not split into groups
+    shape = (linear.out_features, linear.in_features)
+    name = kernel(fmt, device, shape, config.group_size)
+    if fmt == "int8":
+        return Int8Linear(linear, name)
+    if fmt == "int4":
+        return Int4Linear(linear, name, config.group_size)
+    return FP8Linear(linear, name, fp8_tensor_cores(device))
+
+
+def quantize_model(model: nn.Module, config: Quantization, device: str) -> dict[str, int]:
+    """Replace every nn.Linear of the model by its quantized layer, in place; returns how many
+    layers took each kernel. The LM head of an int4 model stays int8, as llama.cpp's Q4 files
+    keep their output layer in 6 or 8 bits: the logits feel its error most. A head tied to the
+    embedding gets its own quantized copy; the embedding keeps its float weight."""
+    counts: dict[str, int] = {}
+    with torch.no_grad():
+        for module in list(model.modules()):
+            for child_name, child in list(module.named_children()):
+                if not isinstance(child, nn.Linear):
+                    continue
+                head = child_name == "lm_head"
+                fmt = "int8" if head and config.format == "int4" else config.format
+                layer = quantize_linear(child, config, device, fmt)
+                setattr(module, child_name, layer)
+                key = f"{layer.format}:{layer.kernel}"
+                counts[key] = counts.get(key, 0) + 1
+    return counts

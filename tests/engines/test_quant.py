@@ -1,0 +1,229 @@
+"""The torch engine's quantized linear layers against their dequantized weights, each format on
+each kernel this machine has (the CPU kernels and the portable dequantizing path, forced)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.base import SamplingParams, Step, UnsupportedModel
+from engines.quantization import Quantization
+from engines.torch_engine import TorchEngine, quant
+from tests.engines.helpers import PROMPTS, run_batch
+
+
+def _linear(n, k, bias=False, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        if bias:
+            layer.bias.normal_(0, 0.5)
+    return layer.to(dtype)
+
+
+def _reference(fmt, layer, group):
+    """The layer's weight as the format stores it, in float32, from the format's own math."""
+    w = layer.weight.detach()
+    if fmt == "int8":
+        return quant.dequantize_int8(*quant.quantize_int8(w))
+    if fmt == "int4":
+        return quant.dequantize_int4(*quant.quantize_int4(w, group), group)
+    return quant.dequantize_fp8(*quant.quantize_fp8(w))
+
+
+def test_int8_rounds_each_weight_to_within_half_a_step():
+    w = torch.randn(32, 96)
+    q, scale = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    err = (quant.dequantize_int8(q, scale) - w).abs()
+    assert torch.all(err <= scale[:, None] / 2 + 1e-6)
+
+
+def test_int4_rounds_each_weight_to_within_half_a_step_of_its_group():
+    w = torch.randn(16, 128)
+    q, scale, zero = quant.quantize_int4(w, 32)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    err = (quant.dequantize_int4(q, scale, zero, 32) - w).abs().reshape(16, 4, 32)
+    assert torch.all(err <= scale[..., None] / 2 + 1e-6)
+    # and a group's extremes are kept: its min maps to 0, its max to 15
+    assert torch.allclose(quant.dequantize_int4(q, scale, zero, 32).reshape(16, 4, 32).amin(2),
+                          w.reshape(16, 4, 32).amin(2), atol=1e-5)
+
+
+def test_int4_groups_of_32_hold_a_q4_1_block_exactly():
+    # GGUF Q4_1: w = q * d + m per block of 32 inputs, q in 0..15
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (8, 64)).float()
+    codes[:, ::32] = 0  # each block uses its full range, as a quantizer leaves it
+    codes[:, 1::32] = 15
+    d = torch.rand(8, 2, 1) * 0.01 + 0.001
+    m = torch.randn(8, 2, 1) * 0.05
+    w = (codes.reshape(8, 2, 32) * d + m).reshape(8, 64)
+    back = quant.dequantize_int4(*quant.quantize_int4(w, 32), 32)
+    assert torch.allclose(back, w, atol=1e-6)
+
+
+def test_fp8_keeps_each_weight_within_e4m3_precision():
+    w = torch.randn(16, 64)
+    back = quant.dequantize_fp8(*quant.quantize_fp8(w))
+    # e4m3 has 3 mantissa bits: a relative step of 1/8, so rounding is within 1/16
+    assert torch.all((back - w).abs() <= w.abs() / 16 + 1e-3)
+
+
+CASES = [("int8", "cpu"), ("int8", "dequant"), ("int4", "cpu"), ("int4", "dequant"),
+         ("fp8", "dequant")]
+
+
+@pytest.mark.parametrize("fmt,kernel", CASES)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_computes_what_its_dequantized_weight_computes(fmt, kernel, rows, bias):
+    group = 32
+    layer = _linear(96, 128, bias=bias)
+    ref_w = _reference(fmt, layer, group)
+    config = Quantization(fmt, group)
+    if kernel == "cpu":
+        q = quant.quantize_linear(layer, config, "cpu")
+        assert q.kernel == "cpu"
+    else:  # the portable path MPS takes, forced here
+        q = {"int8": quant.Int8Linear, "int4": quant.Int4Linear}.get(fmt)
+        q = (q(layer, "dequant", group) if fmt == "int4" else q(layer, "dequant")) if q \
+            else quant.FP8Linear(layer, "dequant", tensor_cores=False)
+    torch.manual_seed(2)
+    x = torch.randn(2, rows, 128).to(torch.bfloat16)
+    bias_f = None if layer.bias is None else layer.bias.float()
+    expected = F.linear(x.float(), ref_w, bias_f)
+    got = q(x)
+    assert got.shape == (2, rows, 96) and got.dtype == torch.bfloat16
+    # bfloat16 activations and outputs: within a few of their rounding steps
+    tol = 0.02 * expected.abs().max().item() + 1e-3
+    assert (got.float() - expected).abs().max().item() <= tol
+    # the kernels compute each row as they would alone (a request's tokens must not depend on
+    # what it is batched with)
+    assert torch.equal(q(x[:1, :1]), got[:1, :1])
+    # and not the unquantized layer's result by accident: the reference differs from it
+    assert not torch.equal(ref_w, layer.weight.float())
+
+
+def test_int8_layer_in_float32_activations_keeps_its_dtype():
+    layer = _linear(64, 64, dtype=torch.float32)
+    q = quant.quantize_linear(layer, Quantization("int8"), "cpu")
+    x = torch.randn(1, 1, 64)
+    y = q(x)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y, F.linear(x, _reference("int8", layer, 64)), atol=0.02, rtol=0.02)
+
+
+def test_kernel_choice_falls_back_where_a_kernel_cannot_take_the_shape():
+    assert quant.kernel("int4", "cpu", (64, 96), 64) == "dequant"  # K not a multiple of 64
+    assert quant.kernel("int4", "cpu", (64, 128), 64) == "cpu"
+    assert quant.kernel("int4", "cuda", (64, 64), 32) == "dequant"  # tinygemm tiles K by 128
+    assert quant.kernel("int4", "cuda", (64, 256), 32) == "cuda"
+    assert quant.kernel("int8", "mps", (64, 64)) == "dequant"
+    assert quant.kernel("fp8", "cpu", (64, 64)) == "dequant"
+
+
+def test_int4_layer_whose_inputs_do_not_split_into_groups_is_int8():
+    layer = _linear(32, 72)
+    q = quant.quantize_linear(layer, Quantization("int4", 64), "cpu")
+    assert isinstance(q, quant.Int8Linear)
+
+
+def test_quantize_model_replaces_every_linear_and_keeps_the_head_int8(tiny_dirs):
+    from engines.torch_engine.loader import load_model
+
+    path, _ = tiny_dirs["smollm"]
+    model = load_model(path, torch.bfloat16, "cpu")
+    counts = quant.quantize_model(model, Quantization("int4", 32), "cpu")
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    layers = model.args.num_layers
+    assert counts == {"int4:cpu": 4 * layers, "int8:cpu": 1}
+    assert isinstance(model.lm_head, quant.Int8Linear)
+    # the embedding keeps its float weight though the head it was tied to is quantized
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def _dequantized_model(path, fmt, group):
+    """The float model with each linear weight replaced by what its quantized layer holds."""
+    from engines.torch_engine.loader import load_model
+
+    model = load_model(path, torch.float32, "cpu")
+    with torch.no_grad():
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    layer_fmt = "int8" if name == "lm_head" and fmt == "int4" else fmt
+                    child.weight = nn.Parameter(_reference(layer_fmt, child, group))
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_quantized_engine_logits_are_the_dequantized_models(tiny_dirs, fmt):
+    path, _ = tiny_dirs["llama"]
+    ids = PROMPTS[0]
+    engine = TorchEngine(path, context_length=96, dtype="float32", device="cpu", quantize=fmt)
+    assert engine.info.quantization.startswith(fmt)
+    reference = _dequantized_model(path, fmt, 64)
+    reference.setup_rope(96)
+    with torch.no_grad(), reference.scratch_cache(len(ids)):
+        want = reference(torch.tensor([ids]), 0)[0].numpy()
+    plain = TorchEngine(path, context_length=96, dtype="float32", device="cpu", quantize="none")
+    got, unquantized = engine.logits(ids), plain.logits(ids)
+    # the CPU kernels compute in bfloat16: within its rounding of the reference, and much
+    # nearer to it than to the unquantized model
+    err = np.abs(got - want).max()
+    assert err <= 0.02 * np.abs(want).max()
+    assert err < 0.5 * np.abs(unquantized - want).max()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_engine_batch_gives_each_request_its_tokens_alone(tiny_dirs, fmt):
+    # the CPU kernels compute each row alone, at any row count: the batch changes nothing
+    path, _ = tiny_dirs["qwen2"]  # with Q/K/V biases
+    engine = TorchEngine(path, context_length=96, dtype="float32", device="cpu", quantize=fmt)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 3
+    together = run_batch(engine, params, join_at=[0, 0, 2])
+    for i in range(3):
+        alone = [e.token_id for e in engine.generate(PROMPTS[i], params[i])
+                 if isinstance(e, Step) and e.finish_reason is None]
+        assert [s.token_id for s in together[i]] == alone
+
+
+def test_torch_engine_refuses_an_mlx_quantized_checkpoint_in_one_sentence(tiny_dirs, tmp_path):
+    import json
+    import shutil
+
+    path, _ = tiny_dirs["llama"]
+    copy = tmp_path / "mlx-4bit"
+    shutil.copytree(path, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["quantization"] = {"group_size": 64, "bits": 4}
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel) as err:
+        TorchEngine(copy, context_length=96, device="cpu")
+    message = str(err.value)
+    assert "MLX 4-bit checkpoint" in message and "mlx engine" in message
+    assert len(message) < 200 and "size mismatch" not in message
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_cuda_layer_computes_what_its_dequantized_weight_computes(fmt, rows):
+    group = 64
+    layer = _linear(512, 1024).cuda()
+    ref_w = _reference(fmt, layer, group)
+    q = quant.quantize_linear(layer, Quantization(fmt, group), "cuda")
+    assert q.kernel == "cuda"
+    x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
+    expected = F.linear(x.float(), ref_w)
+    got = q(x)
+    tol = (0.05 if fmt == "fp8" and rows >= quant.SCALED_MM_ROWS else 0.02)
+    assert (got.float() - expected).abs().max().item() <= tol * expected.abs().max().item()
+    compiled = torch.compile(q, fullgraph=True)
+    assert (compiled(x).float() - expected).abs().max().item() <= tol * expected.abs().max().item()
