@@ -15,6 +15,8 @@ from pydantic import (
     model_validator,
 )
 
+from .keep_alive import parse_keep_alive
+
 SOURCE_KINDS = ("package", "path", "hf", "dummy")
 
 
@@ -46,6 +48,14 @@ class ModelSpec(BaseModel):
         ),
     )
     context_length: int = Field(default=4096, ge=16, le=1 << 20)
+    keep_alive: str | float | None = Field(
+        None,
+        description=(
+            "how long the model stays loaded after a request (Ollama's keep_alive: 30s, 5m, "
+            "1h30m; 0 unloads it after each request; -1 keeps it); default: the server's "
+            "--keep-alive"
+        ),
+    )
     task: Literal["generate", "classify", "embed"] = Field(
         "generate",
         description=(
@@ -67,6 +77,13 @@ class ModelSpec(BaseModel):
         if self.task in ("classify", "embed") and self.source_kind == "dummy":
             raise ValueError(f"task '{self.task}' needs a real checkpoint, not a dummy: source")
         return self
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value):
+        if value is not None:
+            parse_keep_alive(value)
+        return value
 
     @field_validator("source")
     @classmethod

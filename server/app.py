@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
         specs, factory, override,
         max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
         engine_process=process_policy(settings.engine_process, settings.device),
+        keep_alive=settings.keep_alive, max_loaded=settings.max_loaded_models,
     )
     metrics = ServerMetrics(registry)
 
@@ -61,7 +63,9 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
             engine = registry.default_engine(startup_model)
             log.info("loading %s on the %s engine", startup_model, engine)
             await registry.worker(startup_model, engine)
+        reaper = asyncio.create_task(registry.reap_forever())
         yield
+        reaper.cancel()
         await registry.aclose()
 
     app = FastAPI(title="duet", version="0.1.0", lifespan=lifespan)

@@ -34,7 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
             "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
             "max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens,
             "kv_cache_memory": args.kv_cache_memory, "engine_process": args.engine_process,
-            "prefix_cache": args.prefix_cache,
+            "prefix_cache": args.prefix_cache, "keep_alive": args.keep_alive,
+            "max_loaded_models": args.max_loaded_models,
             "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
             "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
             "keep_alive_timeout_s": args.keep_alive_timeout,
@@ -128,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--kv-cache-memory", metavar="SIZE",
                        help="KV cache per engine, e.g. 4GiB (default: max-batch full contexts, "
                        "at most half the free memory; on CUDA 80%% of it)")
+    serve.add_argument("--keep-alive", metavar="DURATION",
+                       help="how long a model stays loaded after a request (30s, 5m, 1h30m; "
+                       "0: unloaded after each; default -1: kept); a model's keep_alive in "
+                       "models.toml and a request's keep_alive override it")
+    serve.add_argument("--max-loaded-models", type=int, metavar="N",
+                       help="engines loaded at once at most; loading another unloads the least "
+                       "recently used idle one (default: no bound)")
     serve.add_argument("--engine-process", choices=["auto", "on", "off"],
                        help="run each generating engine in a process of its own, so the HTTP "
                        "side never holds up its steps (default auto: on CUDA)")

@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from engines.base import SamplingParams
 from engines.grammar import GrammarError, json_schema_grammar
+from engines.keep_alive import parse_keep_alive
 
 from .tool_calls import Tool, ToolUse, call_grammar, call_text, fallback_system_text
 
@@ -58,6 +59,15 @@ def _valid_text(value: str) -> str:
 
 # Every string duet reads from a request, so that invalid text is refused at the edge.
 Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def _valid_keep_alive(value: str | float) -> str | float:
+    parse_keep_alive(value)
+    return value
+
+
+# A duration as Ollama's keep_alive takes it (engines/keep_alive.py).
+KeepAlive = Annotated[str | float, AfterValidator(_valid_keep_alive)]
 
 
 class Strict(BaseModel):
@@ -174,6 +184,9 @@ class GenerationFields(Strict):
     engine: EngineChoice | None = Field(
         None, description="duet extension: the engine that serves this request"
     )
+    keep_alive: KeepAlive | None = Field(
+        None, description="duet extension (Ollama's): how long the model stays loaded after "
+        "this request (30s, 5m; 0: unloaded once it is done; -1: kept); default: the model's")
     ignore_eos: bool = Field(
         False, description="duet extension (as vLLM's): keep generating past end-of-sequence "
         "tokens, to max_tokens (benchmarks)",

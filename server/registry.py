@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Protocol
@@ -17,10 +18,12 @@ from engines.factory import (
     create_engine,
     resolve_engine_name,
 )
+from engines.keep_alive import parse_keep_alive
 from engines.runtime.process import wants_process
 from engines.sources import resolve_model_dir
 
 from .errors import APIError, echo, model_not_found
+from .residency import Residency
 from .worker import EngineWorker
 
 log = logging.getLogger("duet.server")
@@ -66,9 +69,14 @@ class ModelRegistry:
         max_queue: int | None = None,
         request_timeout_s: float | None = None,
         engine_process: Callable[[ModelSpec, str], bool] | None = None,
+        keep_alive: str | float = -1,
+        max_loaded: int | None = None,
     ):
         """engine_process(spec, engine name) says whether that engine runs in a process of its
-        own (engines/runtime/process.py); by default none does."""
+        own (engines/runtime/process.py); by default none does. keep_alive: how long an engine
+        stays loaded after a request unless the model or the request says otherwise (-1: for
+        good); max_loaded: how many engines may be loaded at once (None: no bound), the least
+        recently used idle one unloaded to make room."""
         self.specs = {s.id: s for s in specs}
         self._engine_process = engine_process
         self._worker_options = {"max_queue": max_queue, "timeout_s": request_timeout_s}
@@ -78,6 +86,8 @@ class ModelRegistry:
         }
         self._workers: dict[tuple[str, str], EngineWorker] = {}
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+        self.residency = Residency(parse_keep_alive(keep_alive))
+        self.max_loaded = max_loaded
 
     def spec(self, model_id: str) -> ModelSpec:
         try:
@@ -96,27 +106,43 @@ class ModelRegistry:
         worker = self._workers.get((model_id, engine))
         return worker if worker is not None and worker.loaded else None
 
+    def residency_of(self, model_id: str, engine: str) -> dict:
+        return self.residency.describe((model_id, engine), time.monotonic())
+
     def loaded_info(self, model_id: str, engine: str):
         worker = self.loaded_worker(model_id, engine)
         return worker.engine.info if worker is not None else None
 
-    async def worker(self, model_id: str, engine: str | None = None) -> EngineWorker:
-        """The worker of a loaded engine, loading it on first use."""
+    def _keep_alive_s(self, spec: ModelSpec, requested: str | float | None) -> float | None:
+        if requested is not None:
+            return parse_keep_alive(requested)
+        if spec.keep_alive is not None:
+            return parse_keep_alive(spec.keep_alive)
+        return self.residency.default_keep_alive_s
+
+    async def worker(self, model_id: str, engine: str | None = None,
+                     keep_alive: str | float | None = None) -> EngineWorker:
+        """The worker of a loaded engine, loading it on first use. keep_alive: this request's
+        (None: the model's, else the server's)."""
         spec = self.spec(model_id)
         name = self.default_engine(model_id) if engine in (None, "auto") else engine
         if name not in self.factory.names:
             raise APIError(400, f"unknown engine '{echo(name)}'", param="engine", code="invalid_value")
         key = (spec.id, name)
+        keep_s = self._keep_alive_s(spec, keep_alive)
         worker = self._workers.get(key)
         if worker is not None and worker.loaded:
+            self.residency.used(key, keep_s, time.monotonic())
             return worker
         lock = self._loading.setdefault(key, asyncio.Lock())
         async with lock:
             worker = self._workers.get(key)
             if worker is not None and worker.loaded:
+                self.residency.used(key, keep_s, time.monotonic())
                 return worker
             if not self.factory.available(name):
                 raise backend_missing(name)  # names the extra to install
+            await self._make_room(key)
             # A thread: deciding may import torch (seconds), which must not stall the server.
             process = self._engine_process is not None and await asyncio.to_thread(
                 self._engine_process, spec, name)
@@ -135,7 +161,70 @@ class ModelRegistry:
                     type="server_error", code="model_unavailable",
                 ) from exc
             self._workers[key] = worker
+            self.residency.used(key, keep_s, time.monotonic())
             return worker
+
+    async def _make_room(self, key: tuple[str, str]) -> None:
+        """Under max_loaded, unload the least recently used idle engine for key's; a 503 when
+        every loaded one is serving."""
+        give_up = time.monotonic() + 10 * self.residency.grace_s
+        while self.max_loaded is not None:
+            others = [(k, w) for k, w in self._workers.items() if k != key and w.loaded]
+            if len(others) < self.max_loaded:
+                return
+            idle = [k for k, w in others if w.pending == 0]
+            victim = self.residency.least_recent(idle, time.monotonic())
+            if victim is None:
+                if not idle or time.monotonic() > give_up:
+                    raise APIError(
+                        503, f"{len(others)} engines are loaded (--max-loaded-models "
+                        f"{self.max_loaded}) and each is serving requests: '{key[0]}' cannot "
+                        "be loaded until one is done", type="server_error",
+                        code="model_unavailable")
+                # Idle but just handed to a request that may not have reached it yet.
+                await asyncio.sleep(self.residency.grace_s / 4)
+                continue
+            log.info("unloading %s from the %s engine to load %s (--max-loaded-models %d)",
+                     victim[0], victim[1], key[0], self.max_loaded)
+            await self._unload(victim)
+
+    async def _unload(self, key: tuple[str, str], timeout_s: float = 30.0) -> None:
+        worker = self._workers.pop(key, None)
+        self.residency.forget(key)
+        if worker is None:
+            return
+        # Requests already admitted finish first; new ones load the model afresh.
+        deadline = time.monotonic() + timeout_s
+        while worker.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not await worker.aclose(timeout_s):
+            log.warning("the %s engine of %s did not stop within %g s", key[1], key[0], timeout_s)
+
+    async def unload(self, model_id: str, engine: str | None = None) -> list[str]:
+        """Unload the model's engines (or the one named) once their requests are done; returns
+        the engines unloaded."""
+        spec = self.spec(model_id)
+        keys = [k for k in list(self._workers) if k[0] == spec.id and engine in (None, k[1])]
+        for key in keys:
+            await self._unload(key)
+        return [k[1] for k in keys]
+
+    async def reap(self) -> list[tuple[str, str]]:
+        """Unload every idle engine past its keep_alive; returns them."""
+        idle = [k for k, w in list(self._workers.items()) if w.loaded and w.pending == 0]
+        gone = self.residency.expired(idle, time.monotonic())
+        for key in gone:
+            log.info("unloading %s from the %s engine: idle past its keep_alive", *key)
+            await self._unload(key)
+        return gone
+
+    async def reap_forever(self, every_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("unloading idle engines failed")
 
     def loaded_workers(self) -> list[tuple[str, str, EngineWorker]]:
         """(model id, engine name, worker) of every loaded engine."""

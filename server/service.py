@@ -96,7 +96,7 @@ class GenerationService:
         if spec.task != "generate":
             raise wrong_task(spec.id, spec.task, ("generate",))
         try:
-            worker = await self.registry.worker(spec.id, req.engine)
+            worker = await self.registry.worker(spec.id, req.engine, req.keep_alive)
             engine = worker.engine
             prompts = (prompts_of(engine) if inline
                        else await asyncio.to_thread(prompts_of, engine))

@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engines.keep_alive import parse_keep_alive
+
 REPO_MODELS_FILE = Path(__file__).resolve().parent.parent / "models.toml"
 
 
@@ -81,6 +83,16 @@ class Settings(BaseSettings):
         "max_batch full contexts, at most half the memory free once the weights are loaded "
         "(on CUDA 80%)",
     )
+    keep_alive: str | float = Field(
+        -1, description="How long a model stays loaded after a request, unless its models.toml "
+        "table or the request says otherwise (Ollama's keep_alive: 30s, 5m, 1h30m; 0 unloads "
+        "it after each request; -1, the default, keeps it)",
+    )
+    max_loaded_models: int | None = Field(
+        None, ge=1, description="Engines loaded at once at most (a model on two engines counts "
+        "twice); loading another unloads the least recently used idle one, or answers 503 "
+        "while all are busy (default: no bound)",
+    )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto", description="Run each generating engine in a process of its own, so the HTTP "
         "side never holds up its steps (auto: on CUDA)",
@@ -133,6 +145,12 @@ class Settings(BaseSettings):
         2048, ge=1, le=100_000, description="POST /v1/embeddings: most inputs per request "
                                             "(OpenAI's limit is 2048)"
     )
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value):
+        parse_keep_alive(value)
+        return value
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -7,11 +7,12 @@ from fastapi.responses import JSONResponse
 router = APIRouter()
 
 
-def engine_state(model: str, engine: str, worker, stuck_grace_s: float) -> dict:
+def engine_state(model: str, engine: str, worker, stuck_grace_s: float, registry) -> dict:
     status = worker.status()
     state = {"model": model, "engine": engine, "state": "idle", "busy_since": None,
              "busy_s": None, "running": status.running, "waiting": status.waiting,
-             **(worker.runtime_status() or {})}
+             "quantization": worker.engine.info.quantization,
+             **registry.residency_of(model, engine), **(worker.runtime_status() or {})}
     if status.busy_since is not None:
         state.update(
             state="stuck" if status.overdue_s > stuck_grace_s else "busy",
@@ -28,7 +29,8 @@ async def health(request: Request):
     unit of work more than stuck_grace_s past its time limit."""
     app = request.app
     grace = app.state.settings.stuck_grace_s
-    engines = [engine_state(m, e, w, grace) for m, e, w in app.state.registry.loaded_workers()]
+    registry = app.state.registry
+    engines = [engine_state(m, e, w, grace, registry) for m, e, w in registry.loaded_workers()]
     body = {"status": "ok", "loaded": [{"model": s["model"], "engine": s["engine"]} for s in engines],
             "engines": engines}
     stuck = [s for s in engines if s["state"] == "stuck"]

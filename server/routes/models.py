@@ -1,6 +1,23 @@
+import time
+
 from fastapi import APIRouter, Request
+from pydantic import Field
+
+from ..protocol import EngineChoice, KeepAlive, Strict, Text
 
 router = APIRouter()
+
+
+class LoadRequest(Strict):
+    model: Text = Field(min_length=1, max_length=256)
+    engine: EngineChoice | None = None
+    keep_alive: KeepAlive | None = Field(
+        None, description="how long it stays loaded (default: the model's, else the server's)")
+
+
+class UnloadRequest(Strict):
+    model: Text = Field(min_length=1, max_length=256)
+    engine: EngineChoice | None = Field(None, description="default: every engine of the model")
 
 
 def _model_card(registry, spec, created: int) -> dict:
@@ -19,6 +36,7 @@ def _model_card(registry, spec, created: int) -> dict:
         if worker is not None:
             status = worker.status()
             card.update(running=status.running, waiting=status.waiting,
+                        **registry.residency_of(spec.id, name),
                         **(worker.runtime_status() or {}))
         engines.append(card)
     return {
@@ -41,3 +59,24 @@ async def list_models(request: Request) -> dict:
 async def get_model(model_id: str, request: Request) -> dict:
     state = request.app.state
     return _model_card(state.registry, state.registry.spec(model_id), state.started)
+
+
+@router.post("/models/load", tags=["models"])
+async def load_model(body: LoadRequest, request: Request) -> dict:
+    """Load a model on an engine now (as its first request would), and set its keep_alive."""
+    registry = request.app.state.registry
+    started = time.perf_counter()
+    worker = await registry.worker(body.model, body.engine, body.keep_alive)
+    info = worker.engine.info
+    return {"model": registry.spec(body.model).id, "engine": info.engine, "loaded": True,
+            "seconds": round(time.perf_counter() - started, 3),
+            **registry.residency_of(body.model, info.engine)}
+
+
+@router.post("/models/unload", tags=["models"])
+async def unload_model(body: UnloadRequest, request: Request) -> dict:
+    """Unload a model's engines once the requests they are serving are done."""
+    registry = request.app.state.registry
+    engine = None if body.engine in (None, "auto") else body.engine
+    return {"model": registry.spec(body.model).id,
+            "unloaded": await registry.unload(body.model, engine)}
