@@ -159,6 +159,9 @@ class EngineInfo:
     extra: dict[str, str] = field(default_factory=dict)
     # The weights' format: "none" (as stored), or what engines/quantization.py describes.
     quantization: str = "none"
+    # What it holds in memory (the server's memory budget counts these once it is loaded).
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
 
 
 class EngineError(Exception):

@@ -96,6 +96,27 @@ def free_memory_bytes(device: str) -> int | None:
     return int(psutil.virtual_memory().available)
 
 
+def total_memory_bytes(device: str) -> int:
+    """The device's memory: the GPU's, what Metal recommends a process keep to, or the RAM."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    if device == "mps":
+        return int(torch.mps.recommended_max_memory())
+    return int(psutil.virtual_memory().total)
+
+
+# The default memory budget's share of it: a dedicated GPU may be filled; unified memory and
+# RAM are the whole system's.
+BUDGET_SHARE = {"cuda": 0.9, "mps": 0.75, "cpu": 0.75}
+
+
+def default_memory_budget(device: str) -> int:
+    kind = "cuda" if device.startswith("cuda") else device
+    return int(total_memory_bytes(device) * BUDGET_SHARE.get(kind, 0.75))
+
+
 class RSSMeter(MemoryMeter):
     """CPU: the process's resident set, sampled each step (RSS has no resettable peak)."""
 

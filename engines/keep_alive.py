@@ -8,7 +8,7 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 
 
-def parse_keep_alive(value: str | int | float) -> float | None:
+def parse_keep_alive(value: str | float) -> float | None:
     """Seconds, or None to keep the model loaded: a number of seconds or a duration such as
     "30s", "5m", "1h30m"; 0 unloads it once the request is done, a negative value keeps it."""
     if isinstance(value, bool):

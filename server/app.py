@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
         max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
         engine_process=process_policy(settings.engine_process, settings.device),
         keep_alive=settings.keep_alive, max_loaded=settings.max_loaded_models,
+        memory_budget=settings.memory_budget,
     )
     metrics = ServerMetrics(registry)
 

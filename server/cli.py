@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
             "max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens,
             "kv_cache_memory": args.kv_cache_memory, "engine_process": args.engine_process,
             "prefix_cache": args.prefix_cache, "keep_alive": args.keep_alive,
-            "max_loaded_models": args.max_loaded_models,
+            "max_loaded_models": args.max_loaded_models, "memory_budget": args.memory_budget,
             "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
             "header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
             "keep_alive_timeout_s": args.keep_alive_timeout,
@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="how long a model stays loaded after a request (30s, 5m, 1h30m; "
                        "0: unloaded after each; default -1: kept); a model's keep_alive in "
                        "models.toml and a request's keep_alive override it")
+    serve.add_argument("--memory-budget", metavar="SIZE",
+                       help="memory the weights and KV caches of all loaded models share, e.g. "
+                       "20GiB (default: 90%% of a CUDA GPU, 75%% of the RAM elsewhere)")
     serve.add_argument("--max-loaded-models", type=int, metavar="N",
                        help="engines loaded at once at most; loading another unloads the least "
                        "recently used idle one (default: no bound)")

@@ -19,7 +19,9 @@ from engines.factory import (
     resolve_engine_name,
 )
 from engines.keep_alive import parse_keep_alive
+from engines.memory import Estimate
 from engines.runtime.process import wants_process
+from engines.runtime.sizing import DEFAULT_MAX_BATCH
 from engines.sources import resolve_model_dir
 
 from .errors import APIError, echo, model_not_found
@@ -34,7 +36,12 @@ class EngineFactory(Protocol):
 
     def available(self, name: str) -> bool: ...
 
-    def create(self, name: str, spec: ModelSpec) -> Engine: ...
+    def create(self, name: str, spec: ModelSpec, kv_cache_memory: int | None = None
+               ) -> Engine: ...
+
+    def estimate(self, name: str, spec: ModelSpec) -> Estimate: ...
+
+    def default_memory_budget(self) -> int: ...
 
 
 class BackendEngineFactory:
@@ -49,14 +56,55 @@ class BackendEngineFactory:
     def available(self, name: str) -> bool:
         return backend_available(name)
 
-    def create(self, name: str, spec: ModelSpec) -> Engine:
+    def create(self, name: str, spec: ModelSpec, kv_cache_memory: int | None = None) -> Engine:
+        """kv_cache_memory: the KV cache the memory budget leaves it (None: its own default)."""
         model_dir = resolve_model_dir(spec)
         options = self.torch_options if name == "torch" else {}
+        runtime = dict(self.runtime_options)
+        if kv_cache_memory is not None:
+            runtime["kv_cache_memory"] = kv_cache_memory
         return create_engine(
             name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
-            task=spec.task, quantize=spec.quantize, runtime_options=self.runtime_options,
-            **options,
+            task=spec.task, quantize=spec.quantize, runtime_options=runtime, **options,
         )
+
+    def _device(self) -> str:
+        from engines.device import choose_device
+
+        return choose_device(self.torch_options.get("device", "auto"))
+
+    def estimate(self, name: str, spec: ModelSpec) -> Estimate:
+        """The model's weights and KV cache before it loads (files converted first, once)."""
+        import json
+
+        from engines.device import choose_dtype
+        from engines.memory import kv_bytes_per_token, weights_bytes
+        from engines.quantization import resolve as resolve_quantization
+
+        model_dir = resolve_model_dir(spec)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        if spec.task != "generate":  # an encoder: its files' bytes, and no KV cache
+            size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+            return Estimate(size, 0, 0, 0)
+        device = self._device() if name == "torch" else "mlx"
+        dtype = choose_dtype(spec.dtype, device) if name == "torch" else (
+            "float32" if spec.dtype == "float32" else "bfloat16")
+        quant = resolve_quantization(spec.quantize, cfg, name)
+        per_token = kv_bytes_per_token(cfg, dtype)
+        explicit = self.runtime_options.get("kv_cache_memory")
+        if explicit is not None:
+            kv = explicit
+        elif device.startswith("cuda"):
+            kv = None  # on a GPU the KV cache takes what the budget leaves
+        else:
+            batch = self.runtime_options.get("max_batch") or DEFAULT_MAX_BATCH
+            kv = batch * spec.context_length * per_token
+        return Estimate(weights_bytes(cfg, dtype, quant), per_token, spec.context_length, kv)
+
+    def default_memory_budget(self) -> int:
+        from engines.device import default_memory_budget
+
+        return default_memory_budget(self._device())
 
 
 class ModelRegistry:
@@ -71,12 +119,15 @@ class ModelRegistry:
         engine_process: Callable[[ModelSpec, str], bool] | None = None,
         keep_alive: str | float = -1,
         max_loaded: int | None = None,
+        memory_budget: int | None = None,
     ):
         """engine_process(spec, engine name) says whether that engine runs in a process of its
         own (engines/runtime/process.py); by default none does. keep_alive: how long an engine
         stays loaded after a request unless the model or the request says otherwise (-1: for
         good); max_loaded: how many engines may be loaded at once (None: no bound), the least
-        recently used idle one unloaded to make room."""
+        recently used idle one unloaded to make room; memory_budget: bytes that the weights
+        and KV caches of every loaded engine share (None: the factory's default for the
+        device, asked on the first load)."""
         self.specs = {s.id: s for s in specs}
         self._engine_process = engine_process
         self._worker_options = {"max_queue": max_queue, "timeout_s": request_timeout_s}
@@ -88,6 +139,9 @@ class ModelRegistry:
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
         self.residency = Residency(parse_keep_alive(keep_alive))
         self.max_loaded = max_loaded
+        self.memory_budget = memory_budget
+        # One load at a time decides what fits, so two never count the same free memory.
+        self._load_lock = asyncio.Lock()
 
     def spec(self, model_id: str) -> ModelSpec:
         try:
@@ -142,51 +196,93 @@ class ModelRegistry:
                 return worker
             if not self.factory.available(name):
                 raise backend_missing(name)  # names the extra to install
-            await self._make_room(key)
-            # A thread: deciding may import torch (seconds), which must not stall the server.
-            process = self._engine_process is not None and await asyncio.to_thread(
-                self._engine_process, spec, name)
-            worker = EngineWorker(f"{spec.id}/{name}", process=process, **self._worker_options)
-            try:
-                # A partial, not a lambda: it is pickled when the engine has its own process.
-                await worker.load(partial(self.factory.create, name, spec))
-            except EngineError:
-                worker.close()
-                raise
-            except Exception as exc:
-                worker.close()
-                log.exception("loading %s on %s failed", spec.id, name)
-                raise APIError(
-                    503, f"model '{spec.id}' could not be loaded on the {name} engine: {exc}",
-                    type="server_error", code="model_unavailable",
-                ) from exc
-            self._workers[key] = worker
-            self.residency.used(key, keep_s, time.monotonic())
-            return worker
+            async with self._load_lock:
+                return await self._load(key, spec, keep_s)
+
+    async def _load(self, key: tuple[str, str], spec: ModelSpec, keep_s: float | None
+                    ) -> EngineWorker:
+        name = key[1]
+        await self._make_room(key)
+        kv = await self._fit_budget(key, spec)
+        # A thread: deciding may import torch (seconds), which must not stall the server.
+        process = self._engine_process is not None and await asyncio.to_thread(
+            self._engine_process, spec, name)
+        worker = EngineWorker(f"{spec.id}/{name}", process=process, **self._worker_options)
+        try:
+            # A partial, not a lambda: it is pickled when the engine has its own process.
+            await worker.load(partial(self.factory.create, name, spec, kv))
+        except EngineError:
+            worker.close()
+            raise
+        except Exception as exc:
+            worker.close()
+            log.exception("loading %s on %s failed", spec.id, name)
+            raise APIError(
+                503, f"model '{spec.id}' could not be loaded on the {name} engine: {exc}",
+                type="server_error", code="model_unavailable",
+            ) from exc
+        self._workers[key] = worker
+        self.residency.used(key, keep_s, time.monotonic())
+        return worker
+
+    async def _evict_one(self, keep: tuple[str, str], refuse: Callable[[], APIError],
+                         give_up: float) -> None:
+        """Unload the least recently used idle engine other than keep; when none is idle,
+        raise refuse() (or, while an idle one was just handed to a request, wait a moment)."""
+        idle = [(m, e) for m, e, w in self.loaded_workers() if (m, e) != keep and w.pending == 0]
+        victim = self.residency.least_recent(idle, time.monotonic())
+        if victim is None:
+            if not idle or time.monotonic() > give_up:
+                raise refuse()
+            await asyncio.sleep(self.residency.grace_s / 4)
+            return
+        log.info("unloading %s from the %s engine to load %s", victim[0], victim[1], keep[0])
+        await self._unload(victim)
 
     async def _make_room(self, key: tuple[str, str]) -> None:
         """Under max_loaded, unload the least recently used idle engine for key's; a 503 when
         every loaded one is serving."""
         give_up = time.monotonic() + 10 * self.residency.grace_s
         while self.max_loaded is not None:
-            others = [(k, w) for k, w in self._workers.items() if k != key and w.loaded]
-            if len(others) < self.max_loaded:
+            loaded = [k for k in ((m, e) for m, e, _ in self.loaded_workers()) if k != key]
+            if len(loaded) < self.max_loaded:
                 return
-            idle = [k for k, w in others if w.pending == 0]
-            victim = self.residency.least_recent(idle, time.monotonic())
-            if victim is None:
-                if not idle or time.monotonic() > give_up:
-                    raise APIError(
-                        503, f"{len(others)} engines are loaded (--max-loaded-models "
-                        f"{self.max_loaded}) and each is serving requests: '{key[0]}' cannot "
-                        "be loaded until one is done", type="server_error",
-                        code="model_unavailable")
-                # Idle but just handed to a request that may not have reached it yet.
-                await asyncio.sleep(self.residency.grace_s / 4)
-                continue
-            log.info("unloading %s from the %s engine to load %s (--max-loaded-models %d)",
-                     victim[0], victim[1], key[0], self.max_loaded)
-            await self._unload(victim)
+            count = len(loaded)
+            await self._evict_one(key, lambda count=count: APIError(
+                503, f"{count} engines are loaded (--max-loaded-models {self.max_loaded}) and each "
+                f"is serving requests: '{key[0]}' cannot be loaded until one is done",
+                type="server_error", code="model_unavailable"), give_up)
+
+    def held_bytes(self) -> int:
+        """What the loaded engines hold: their weights and KV caches."""
+        return sum(w.engine.info.weights_bytes + w.engine.info.kv_cache_bytes
+                   for _, _, w in self.loaded_workers() if w.engine is not None)
+
+    async def _fit_budget(self, key: tuple[str, str], spec: ModelSpec) -> int | None:
+        """Unload least recently used idle engines until key's fits the memory budget; the KV
+        cache bytes to give it (None: its own default). A 503 naming the budget when busy
+        engines hold what it needs."""
+        if self.memory_budget is None:
+            self.memory_budget = await asyncio.to_thread(self.factory.default_memory_budget)
+            log.info("memory budget for weights and KV caches: %.1f GiB",
+                     self.memory_budget / 2**30)
+        est = await asyncio.to_thread(self.factory.estimate, key[1], spec)
+        if est.smallest_bytes > self.memory_budget:
+            raise APIError(
+                503, f"model '{spec.id}' needs {est.smallest_bytes / 2**30:.2f} GiB (weights and "
+                f"one full context), more than the whole memory budget (--memory-budget "
+                f"{self.memory_budget / 2**30:.2f} GiB)", type="server_error",
+                code="model_unavailable")
+        give_up = time.monotonic() + 10 * self.residency.grace_s
+        while (free := self.memory_budget - self.held_bytes()) < est.smallest_bytes:
+            await self._evict_one(key, lambda free=free: APIError(
+                503, f"model '{spec.id}' needs {est.smallest_bytes / 2**30:.2f} GiB (weights "
+                f"and one full context) and the memory budget (--memory-budget "
+                f"{self.memory_budget / 2**30:.2f} GiB) has {max(free, 0) / 2**30:.2f} GiB "
+                "free; the models loaded are serving requests", type="server_error",
+                code="model_unavailable"), give_up)
+        room = free - est.weights_bytes
+        return room if est.default_kv_bytes is None else min(est.default_kv_bytes, room)
 
     async def _unload(self, key: tuple[str, str], timeout_s: float = 30.0) -> None:
         worker = self._workers.pop(key, None)

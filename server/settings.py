@@ -88,6 +88,12 @@ class Settings(BaseSettings):
         "table or the request says otherwise (Ollama's keep_alive: 30s, 5m, 1h30m; 0 unloads "
         "it after each request; -1, the default, keeps it)",
     )
+    memory_budget: int | None = Field(
+        None, ge=1, description="Bytes that the weights and KV caches of every loaded model "
+        "share (e.g. 20GiB); a model that does not fit unloads the least recently used idle "
+        "ones, or gets 503 (default: 90% of a CUDA GPU's memory, 75% of the RAM or of what "
+        "Metal recommends elsewhere)",
+    )
     max_loaded_models: int | None = Field(
         None, ge=1, description="Engines loaded at once at most (a model on two engines counts "
         "twice); loading another unloads the least recently used idle one, or answers 503 "
@@ -152,7 +158,7 @@ class Settings(BaseSettings):
         parse_keep_alive(value)
         return value
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "memory_budget", mode="before")
     @classmethod
     def _byte_size(cls, value):
         return parse_bytes(value) if isinstance(value, str) else value

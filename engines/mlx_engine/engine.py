@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 
 from ..base import EngineInfo
 from ..dummy import is_dummy
 from ..generation import GenerationEngine, MemoryMeter, warm_up
+from ..memory import kv_bytes_per_token
 from ..model_config import attention_window
 from ..quantization import Quantization
 from ..quantization import resolve as resolve_quantization
@@ -95,7 +97,7 @@ class MLXEngine(GenerationEngine):
             )
             context_length = window
         pool, max_batch = size_pool(
-            bytes_per_token=_kv_bytes_per_token(config, self.dtype),
+            bytes_per_token=kv_bytes_per_token(config, self.dtype),
             context_length=context_length, max_batch=max_batch,
             memory_bytes=kv_cache_memory, free_bytes=None)
         # The runtime's account of mlx-lm's caches, which grow in steps of 256 tokens: the
@@ -113,6 +115,8 @@ class MLXEngine(GenerationEngine):
             context_length=self.context_length,
             backend_version=f"mlx {mx.__version__}, mlx-lm {_mlx_lm_version()}",
             quantization=self.quantization.describe() if self.quantization else "none",
+            weights_bytes=sum(v.nbytes for _, v in tree_flatten(self.model.parameters())),
+            kv_cache_bytes=pool.capacity_bytes,
             extra=pool_info(pool, max_batch),
         )
         log.info(
@@ -161,14 +165,6 @@ def quantize_weights(model, quant: Quantization) -> None:
         return {"group_size": quant.group_size, "bits": 8 if head else bits, "mode": "affine"}
 
     nn.quantize(model, class_predicate=predicate)
-
-
-def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    size = 4 if dtype == "float32" else 2
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
 
 
 def _legacy_rope_keys(cfg: dict) -> dict:

@@ -72,12 +72,11 @@ class TorchEngine(GenerationEngine):
             counts = quant.quantize_model(self.model, self.quantization, self.device)
             log.info("weights quantized to %s: %s", self.quantization.describe(),
                      ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-        elif onednn_linears(self.device, compile, torch_dtype(self.dtype)):
-            log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
-        elif self.device == "cpu" and compile != "on" and self.dtype != "float32":
-            log.info("cpu: %d linear layers run through ATen, in float32 for more than %d rows: "
-                     "this CPU lacks the instructions oneDNN's packed %s path needs",
-                     cpu_linear.widen_linears(self.model), cpu_linear.WIDEN_ROWS, self.dtype)
+        # Counted before oneDNN packs the layers: its packed weights are opaque to torch.
+        weights_bytes = sum(t.numel() * t.element_size() for t in
+                            [*self.model.parameters(), *self.model.buffers()])
+        if self.quantization is None:
+            self._cpu_linears(compile)
         args = self.model.args
         per_token = PagedKV.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
                                             torch_dtype(self.dtype))
@@ -103,6 +102,8 @@ class TorchEngine(GenerationEngine):
             context_length=self.context_length,
             backend_version=f"torch {torch.__version__}",
             quantization=self.quantization.describe() if self.quantization else "none",
+            weights_bytes=weights_bytes,
+            kv_cache_bytes=pool.capacity_bytes,
             extra={"cuda_graphs": str(self.decoder is not None).lower(),
                    **pool_info(pool, max_batch)},
         )
@@ -111,6 +112,14 @@ class TorchEngine(GenerationEngine):
             model_dir, self.device, self.dtype, time.perf_counter() - started,
             describe_pool(pool, max_batch), warm_up(self),
         )
+
+    def _cpu_linears(self, compile: str) -> None:
+        if onednn_linears(self.device, compile, torch_dtype(self.dtype)):
+            log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
+        elif self.device == "cpu" and compile != "on" and self.dtype != "float32":
+            log.info("cpu: %d linear layers run through ATen, in float32 for more than %d rows: "
+                     "this CPU lacks the instructions oneDNN's packed %s path needs",
+                     cpu_linear.widen_linears(self.model), cpu_linear.WIDEN_ROWS, self.dtype)
 
     def executor(self, *, prefix_cache: bool = False) -> TorchExecutor:
         # The KV lives in the pool's blocks: their reuse is the scheduler's.

@@ -31,6 +31,8 @@ def _model_card(registry, spec, created: int) -> dict:
             "device": info.device if info else None,
             "dtype": info.dtype if info else None,
             "quantization": info.quantization if info else None,
+            "weights_bytes": info.weights_bytes if info else None,
+            "kv_cache_bytes": info.kv_cache_bytes if info else None,
         }
         worker = registry.loaded_worker(spec.id, name)
         if worker is not None:

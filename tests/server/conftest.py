@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
 from fastapi.testclient import TestClient
 
 from engines.fake import FakeClassifier, FakeEmbedder, FakeEngine
+from engines.memory import Estimate
 from server.app import create_app
 from server.settings import Settings
 
@@ -27,7 +30,9 @@ task = "embed"
 class FakeFactory:
     names = ("torch", "mlx")
 
-    def __init__(self, available=("torch", "mlx"), engine_class=FakeEngine, **engine_kwargs):
+    def __init__(self, available=("torch", "mlx"), engine_class=FakeEngine, *,
+                 weights_bytes=1000, kv_bytes=1000, **engine_kwargs):
+        self.weights_bytes, self.kv_bytes = weights_bytes, kv_bytes
         self._available = set(available)
         self.engine_class = engine_class
         self.engine_kwargs = engine_kwargs
@@ -36,12 +41,22 @@ class FakeFactory:
     def available(self, name):
         return name in self._available
 
-    def create(self, name, spec):
+    def estimate(self, name, spec):
+        return Estimate(self.weights_bytes, 1000, spec.context_length, self.kv_bytes)
+
+    def default_memory_budget(self):
+        return 1 << 40
+
+    def create(self, name, spec, kv_cache_memory=None):
         if spec.task in ("classify", "embed"):
             engine = FakeClassifier(name) if spec.task == "classify" else FakeEmbedder(name)
             self.engines[f"{spec.id}-{name}"] = engine
             return engine
         engine = self.engine_class(name, context_length=spec.context_length, **self.engine_kwargs)
+        # what the memory budget counts: the weights, and the KV cache the budget left it
+        engine.info = dataclasses.replace(
+            engine.info, weights_bytes=self.weights_bytes,
+            kv_cache_bytes=self.kv_bytes if kv_cache_memory is None else kv_cache_memory)
         self.engines[name] = engine
         return engine
 

@@ -8,6 +8,7 @@ cancelled one stopped (uvicorn re-raises SIGTERM once it has shut down, so no at
 import sys
 
 from engines.fake import FakeEngine
+from engines.memory import Estimate
 from server.app import create_app
 from server.cli import run_server
 from server.settings import Settings
@@ -27,7 +28,13 @@ class SlowFactory:
     def available(self, name):
         return True
 
-    def create(self, name, spec):
+    def estimate(self, name, spec):
+        return Estimate(0, 0, spec.context_length, 0)
+
+    def default_memory_budget(self):
+        return 1 << 40
+
+    def create(self, name, spec, kv_cache_memory=None):
         return ReportingEngine(name, reply=self.reply, context_length=4096, token_delay_s=0.05)
 
 

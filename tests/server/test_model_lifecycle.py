@@ -25,9 +25,9 @@ class CountingFactory(FakeFactory):
         super().__init__(**kw)
         self.loads: list[str] = []
 
-    def create(self, name, spec):
+    def create(self, name, spec, kv_cache_memory=None):
         self.loads.append(spec.id)
-        return super().create(name, spec)
+        return super().create(name, spec, kv_cache_memory)
 
 
 @pytest.fixture
@@ -144,3 +144,77 @@ def test_max_loaded_models_refuses_while_the_loaded_one_is_busy(make):
         slow.join()
         assert done[0].status_code == 200 and done[0].json()["usage"]["completion_tokens"] == 40
         assert chat(client, "other").status_code == 200
+
+
+def test_a_model_that_does_not_fit_the_budget_unloads_the_least_recently_used(make):
+    # each takes 1000 bytes of weights and, by default, 1000 of KV cache; one full context
+    # (512 tokens of 1000 bytes) is the least it can serve with
+    factory = CountingFactory(weights_bytes=1000, kv_bytes=600_000)
+    with make(factory=factory, memory_budget=1_000_000) as client:
+        assert chat(client).status_code == 200
+        assert card(client)["loaded"] is True
+        assert chat(client, "other").status_code == 200
+        # 601,000 held + 513,000 needed > 1,000,000: "tiny" (idle) made room
+        assert card(client)["loaded"] is False and card(client, "other")["loaded"] is True
+        assert factory.loads == ["tiny", "other"]
+
+
+def test_the_budget_shrinks_a_kv_cache_to_what_is_left(make):
+    factory = CountingFactory(weights_bytes=1000, kv_bytes=None)  # None: take what is left
+    with make(factory=factory, memory_budget=2_000_000) as client:
+        assert chat(client).status_code == 200
+        assert chat(client, "other").status_code == 200  # 1,999,000 left: it still loads
+        registry = client.app.state.registry
+        tiny = registry.loaded_info("tiny", "torch")
+        other = registry.loaded_info("other", "torch")
+        assert tiny is None  # the first took all that was left, so it had to go
+        assert other.kv_cache_bytes == 2_000_000 - 1000
+        assert registry.held_bytes() <= 2_000_000
+
+
+def test_the_budget_is_never_exceeded_while_models_come_and_go_under_load(make):
+    factory = CountingFactory(weights_bytes=1000, kv_bytes=600_000, token_delay_s=0.002)
+    with make(factory=factory, memory_budget=1_100_000) as client:
+        registry = client.app.state.registry
+        peaks, stop = [], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                peaks.append(registry.held_bytes())
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        # one after the other first: each load unloads the other model
+        results = [chat(client, m) for m in ("tiny", "other", "tiny")]
+        assert factory.loads == ["tiny", "other", "tiny"]
+
+        def ask(i):
+            for j in range(8):
+                results.append(chat(client, ["tiny", "other"][(i + j) % 2], max_tokens=5))
+                time.sleep(0.03)  # gaps in which a model is idle and may be unloaded
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        watcher.join()
+        # one fits at a time (601,000 each): they take turns, and every answer is a full one
+        # or a 503 while the other is busy
+        assert max(peaks) <= 1_100_000
+        for r in results:
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "model_unavailable"
+        assert any(r.status_code == 200 for r in results)
+
+
+def test_a_model_larger_than_the_whole_budget_is_refused_at_once(make):
+    factory = CountingFactory(weights_bytes=5_000_000, kv_bytes=1000)
+    with make(factory=factory, memory_budget=1_000_000) as client:
+        r = chat(client)
+        assert_openai_error(r, 503, code="model_unavailable")
+        assert "more than the whole memory budget" in r.json()["error"]["message"]
+        assert factory.loads == []
