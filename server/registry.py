@@ -266,7 +266,15 @@ class ModelRegistry:
             self.memory_budget = await asyncio.to_thread(self.factory.default_memory_budget)
             log.info("memory budget for weights and KV caches: %.1f GiB",
                      self.memory_budget / 2**30)
-        est = await asyncio.to_thread(self.factory.estimate, key[1], spec)
+        try:
+            est = await asyncio.to_thread(self.factory.estimate, key[1], spec)
+        except EngineError:
+            raise  # what the engine would refuse too (say, a format it does not serve)
+        except Exception:
+            # Unreadable files: the load that follows fails with the error to show.
+            log.warning("cannot estimate the memory of %s; loading it unchecked", spec.id,
+                        exc_info=True)
+            return None
         if est.smallest_bytes > self.memory_budget:
             raise APIError(
                 503, f"model '{spec.id}' needs {est.smallest_bytes / 2**30:.2f} GiB (weights and "
