@@ -15,9 +15,9 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16); int8 and fp8 as `linear(x, w.to(dtype)) * scale`,
-  which Inductor fuses into one weight-reading kernel for the compiled decode step; fp8 of many
-  rows on GPUs with fp8 tensor cores (compute capability 8.9+) through torch._scaled_mm, the
-  activations quantized per row.
+  which Inductor fuses into one weight-reading kernel for the compiled decode step of a few
+  rows; more rows on the tensor cores, the activations quantized per row: int8 x int8 through
+  torch._int_mm, fp8 (compute capability 8.9+) through torch._scaled_mm.
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
 """
@@ -30,8 +30,10 @@ from torch import nn
 
 from ..quantization import DEFAULT_GROUP, Quantization
 
-# Below this many rows an fp8 layer is a weight read (decode); at or above, tensor-core math.
+# Below this many rows an fp8 or int8 layer on CUDA is a weight read (decode); at or above,
+# tensor-core math on activations quantized per row. (torch._int_mm wants more than 16 rows.)
 SCALED_MM_ROWS = 16
+INT_MM_ROWS = 17
 FP8_MAX = 448.0
 
 
@@ -146,12 +148,25 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cuda":
+            if _rows(x) >= INT_MM_ROWS and self.in_features % 8 == 0 and self.out_features % 8 == 0:
+                return self._finish(self._int8_tensor_cores(x), x)
             return self._finish(F.linear(x, self.qweight.to(x.dtype)) * self.scale, x)
         if self.kernel == "cpu":
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
                                           self.qweight, self.scale_bf16)
             return self._finish(y, x)
         return self._dequant_linear(x, dequantize_int8(self.qweight, self.scale))
+
+
+    def _int8_tensor_cores(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows: the activations quantized per row too, an int8 x int8 product on the
+        tensor cores (the weight-only expression, fused by Inductor for a few rows, compiled
+        for 64 rows into a kernel that took 1 s a step for an 8B model on an H100)."""
+        x2 = x.reshape(-1, self.in_features)
+        x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp(min=1e-10)
+        x8 = torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8)
+        acc = torch._int_mm(x8, self.qweight.t())
+        return acc.float() * x_scale * self.scale.float()
 
 
 class Int4Linear(QuantLinear):

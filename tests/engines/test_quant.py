@@ -223,7 +223,8 @@ def test_cuda_layer_computes_what_its_dequantized_weight_computes(fmt, rows):
     x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
     expected = F.linear(x.float(), ref_w)
     got = q(x)
-    tol = (0.05 if fmt == "fp8" and rows >= quant.SCALED_MM_ROWS else 0.02)
+    # many rows also quantize the activations (int8 and fp8 on the tensor cores)
+    tol = 0.05 if fmt != "int4" and rows >= quant.SCALED_MM_ROWS else 0.02
     assert (got.float() - expected).abs().max().item() <= tol * expected.abs().max().item()
     compiled = torch.compile(q, fullgraph=True)
     assert (compiled(x).float() - expected).abs().max().item() <= tol * expected.abs().max().item()
