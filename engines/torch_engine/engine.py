@@ -13,7 +13,7 @@ import torch
 from ..base import EngineInfo
 from ..device import (
     choose_device,
-    choose_dtype,
+    choose_decode_dtype,
     configure_mps,
     free_memory_bytes,
     memory_meter,
@@ -64,7 +64,9 @@ class TorchEngine(GenerationEngine):
         if self.device == "mps":
             configure_mps(mps_memory_fraction)
         self.quantization = resolve_quantization(quantize, read_config(model_dir), "torch")
-        self.dtype = choose_dtype(dtype, self.device)
+        self.dtype = choose_decode_dtype(dtype, self.device)
+        if dtype == "auto":
+            log.info("dtype auto on %s: %s", self.device, self.dtype)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from engines.device import CudaMeter, MPSMeter, RSSMeter, choose_device, choose_dtype, memory_meter
+from engines.device import (
+    CudaMeter,
+    MPSMeter,
+    RSSMeter,
+    choose_decode_dtype,
+    choose_device,
+    choose_dtype,
+    memory_meter,
+)
 
 
 @pytest.mark.parametrize(
@@ -32,6 +40,11 @@ def test_dtype_defaults_per_device():
     assert choose_dtype("auto", "mps") == "float16"
     assert choose_dtype("auto", "cpu") == "float32"
     assert choose_dtype("float16", "cpu") == "float16"
+    # a generating engine decodes faster in bf16 on the CPU too (half the weight bytes)
+    assert choose_decode_dtype("auto", "cpu") == "bfloat16"
+    assert choose_decode_dtype("float32", "cpu") == "float32"
+    assert choose_decode_dtype("auto", "cuda") == "bfloat16"
+    assert choose_decode_dtype("auto", "mps") == "float16"
 
 
 def test_memory_meter_per_device():
