@@ -12,6 +12,7 @@ def engine_state(model: str, engine: str, worker, stuck_grace_s: float, registry
     state = {"model": model, "engine": engine, "state": "idle", "busy_since": None,
              "busy_s": None, "running": status.running, "waiting": status.waiting,
              "quantization": worker.engine.info.quantization,
+             "weights_bytes": worker.engine.info.weights_bytes,
              **registry.residency_of(model, engine), **(worker.runtime_status() or {})}
     if status.busy_since is not None:
         state.update(
@@ -23,6 +24,14 @@ def engine_state(model: str, engine: str, worker, stuck_grace_s: float, registry
     return state
 
 
+def memory(registry) -> dict:
+    """The memory budget and what each loaded engine holds of it (weights and KV cache)."""
+    held = {f"{m}/{e}": w.engine.info.weights_bytes + w.engine.info.kv_cache_bytes
+            for m, e, w in registry.loaded_workers() if w.engine is not None}
+    return {"budget_bytes": registry.memory_budget, "held_bytes": sum(held.values()),
+            "by_engine": held}
+
+
 @router.get("/health", tags=["server"])
 async def health(request: Request):
     """ok (200), or degraded (503, with a reason) while an engine is stuck: still running a
@@ -32,7 +41,7 @@ async def health(request: Request):
     registry = app.state.registry
     engines = [engine_state(m, e, w, grace, registry) for m, e, w in registry.loaded_workers()]
     body = {"status": "ok", "loaded": [{"model": s["model"], "engine": s["engine"]} for s in engines],
-            "engines": engines}
+            "engines": engines, "memory": memory(registry)}
     stuck = [s for s in engines if s["state"] == "stuck"]
     if not stuck:
         return body

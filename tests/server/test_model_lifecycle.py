@@ -157,6 +157,9 @@ def test_a_model_that_does_not_fit_the_budget_unloads_the_least_recently_used(ma
         # 601,000 held + 513,000 needed > 1,000,000: "tiny" (idle) made room
         assert card(client)["loaded"] is False and card(client, "other")["loaded"] is True
         assert factory.loads == ["tiny", "other"]
+        memory = client.get("/health").json()["memory"]
+        assert memory == {"budget_bytes": 1_000_000, "held_bytes": 601_000,
+                          "by_engine": {"other/torch": 601_000}}
 
 
 def test_the_budget_shrinks_a_kv_cache_to_what_is_left(make):
