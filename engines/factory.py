@@ -55,7 +55,8 @@ def create_engine(
     runtime_options: dict | None = None,
     **torch_options,
 ) -> Engine | Embedder:
-    """runtime_options (kv_cache_memory, max_batch, max_prefill_tokens, prefix_cache) go to
+    """runtime_options (kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
+    prefix_cache) go to
     either generating engine; torch_options (device, compile, mps_memory_fraction) to the torch engine only.
     A classify model (a sequence-classification checkpoint) runs on the torch engine only; an
     embed model (a BERT sentence encoder) on either."""

@@ -20,8 +20,6 @@ class Estimate:
     weights_bytes: int
     kv_bytes_per_token: int
     context_length: int
-    # The KV cache it takes by default (--kv-cache-memory, or max-batch full contexts).
-    default_kv_bytes: int
 
     @property
     def smallest_bytes(self) -> int:

@@ -21,7 +21,6 @@ from engines.factory import (
 from engines.keep_alive import parse_keep_alive
 from engines.memory import Estimate
 from engines.runtime.process import wants_process
-from engines.runtime.sizing import DEFAULT_MAX_BATCH
 from engines.sources import resolve_model_dir
 
 from .errors import APIError, echo, model_not_found
@@ -36,7 +35,7 @@ class EngineFactory(Protocol):
 
     def available(self, name: str) -> bool: ...
 
-    def create(self, name: str, spec: ModelSpec, kv_cache_memory: int | None = None
+    def create(self, name: str, spec: ModelSpec, kv_cache_limit: int | None = None
                ) -> Engine: ...
 
     def estimate(self, name: str, spec: ModelSpec) -> Estimate: ...
@@ -56,13 +55,14 @@ class BackendEngineFactory:
     def available(self, name: str) -> bool:
         return backend_available(name)
 
-    def create(self, name: str, spec: ModelSpec, kv_cache_memory: int | None = None) -> Engine:
-        """kv_cache_memory: the KV cache the memory budget leaves it (None: its own default)."""
+    def create(self, name: str, spec: ModelSpec, kv_cache_limit: int | None = None) -> Engine:
+        """kv_cache_limit: the most KV cache the memory budget leaves it; within it the engine
+        sizes its own (its default, bounded on a GPU by the memory free once it loaded)."""
         model_dir = resolve_model_dir(spec)
         options = self.torch_options if name == "torch" else {}
         runtime = dict(self.runtime_options)
-        if kv_cache_memory is not None:
-            runtime["kv_cache_memory"] = kv_cache_memory
+        if kv_cache_limit is not None and spec.task == "generate":
+            runtime["kv_cache_limit"] = kv_cache_limit
         return create_engine(
             name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
             task=spec.task, quantize=spec.quantize, runtime_options=runtime, **options,
@@ -85,21 +85,13 @@ class BackendEngineFactory:
         cfg = json.loads((model_dir / "config.json").read_text())
         if spec.task != "generate":  # an encoder: its files' bytes, and no KV cache
             size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-            return Estimate(size, 0, 0, 0)
+            return Estimate(size, 0, 0)
         device = self._device() if name == "torch" else "mlx"
         dtype = choose_dtype(spec.dtype, device) if name == "torch" else (
             "float32" if spec.dtype == "float32" else "bfloat16")
         quant = resolve_quantization(spec.quantize, cfg, name)
         per_token = kv_bytes_per_token(cfg, dtype)
-        explicit = self.runtime_options.get("kv_cache_memory")
-        if explicit is not None:
-            kv = explicit
-        elif device.startswith("cuda"):
-            kv = None  # on a GPU the KV cache takes what the budget leaves
-        else:
-            batch = self.runtime_options.get("max_batch") or DEFAULT_MAX_BATCH
-            kv = batch * spec.context_length * per_token
-        return Estimate(weights_bytes(cfg, dtype, quant), per_token, spec.context_length, kv)
+        return Estimate(weights_bytes(cfg, dtype, quant), per_token, spec.context_length)
 
     def default_memory_budget(self) -> int:
         from engines.device import default_memory_budget
@@ -203,14 +195,14 @@ class ModelRegistry:
                     ) -> EngineWorker:
         name = key[1]
         await self._make_room(key)
-        kv = await self._fit_budget(key, spec)
+        kv_limit = await self._fit_budget(key, spec)
         # A thread: deciding may import torch (seconds), which must not stall the server.
         process = self._engine_process is not None and await asyncio.to_thread(
             self._engine_process, spec, name)
         worker = EngineWorker(f"{spec.id}/{name}", process=process, **self._worker_options)
         try:
             # A partial, not a lambda: it is pickled when the engine has its own process.
-            await worker.load(partial(self.factory.create, name, spec, kv))
+            await worker.load(partial(self.factory.create, name, spec, kv_limit))
         except EngineError:
             worker.close()
             raise
@@ -259,9 +251,9 @@ class ModelRegistry:
                    for _, _, w in self.loaded_workers() if w.engine is not None)
 
     async def _fit_budget(self, key: tuple[str, str], spec: ModelSpec) -> int | None:
-        """Unload least recently used idle engines until key's fits the memory budget; the KV
-        cache bytes to give it (None: its own default). A 503 naming the budget when busy
-        engines hold what it needs."""
+        """Unload least recently used idle engines until key's fits the memory budget; the most
+        KV cache it may then take (None: unchecked). A 503 naming the budget when busy engines
+        hold what it needs."""
         if self.memory_budget is None:
             self.memory_budget = await asyncio.to_thread(self.factory.default_memory_budget)
             log.info("memory budget for weights and KV caches: %.1f GiB",
@@ -289,8 +281,7 @@ class ModelRegistry:
                 f"{self.memory_budget / 2**30:.2f} GiB) has {max(free, 0) / 2**30:.2f} GiB "
                 "free; the models loaded are serving requests", type="server_error",
                 code="model_unavailable"), give_up)
-        room = free - est.weights_bytes
-        return room if est.default_kv_bytes is None else min(est.default_kv_bytes, room)
+        return free - est.weights_bytes
 
     async def _unload(self, key: tuple[str, str], timeout_s: float = 30.0) -> None:
         worker = self._workers.pop(key, None)

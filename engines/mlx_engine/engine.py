@@ -65,7 +65,8 @@ class MLXEngine(GenerationEngine):
     name = "mlx"
 
     def __init__(self, model_dir: str | Path, *, context_length: int, dtype: str = "auto",
-                 kv_cache_memory: int | None = None, max_batch: int | None = None,
+                 kv_cache_memory: int | None = None, kv_cache_limit: int | None = None,
+                 max_batch: int | None = None,
                  max_prefill_tokens: int | None = None, prefix_cache: bool = True,
                  quantize: str = "auto"):
         from mlx_lm.utils import load_model
@@ -99,7 +100,7 @@ class MLXEngine(GenerationEngine):
         pool, max_batch = size_pool(
             bytes_per_token=kv_bytes_per_token(config, self.dtype),
             context_length=context_length, max_batch=max_batch,
-            memory_bytes=kv_cache_memory, free_bytes=None)
+            memory_bytes=kv_cache_memory, free_bytes=None, limit_bytes=kv_cache_limit)
         # The runtime's account of mlx-lm's caches, which grow in steps of 256 tokens: the
         # bound holds to within a step per sequence.
         self.context_length = fit_context(context_length, pool, "mlx")

@@ -39,11 +39,16 @@ def prefill_budget(requested: int | None, device: str) -> int:
 
 def size_pool(*, bytes_per_token: int, context_length: int, max_batch: int | None,
               memory_bytes: int | None, free_bytes: int | None, device: str = "cpu",
-              block_size: int = BLOCK_SIZE) -> tuple[BlockPool, int]:
-    """The KV pool and the batch size (max_batch, or the device's default when None)."""
+              block_size: int = BLOCK_SIZE, limit_bytes: int | None = None
+              ) -> tuple[BlockPool, int]:
+    """The KV pool and the batch size (max_batch, or the device's default when None).
+    limit_bytes: the most the default may take (what the server's memory budget leaves)."""
     cuda = device.startswith("cuda")
     share = CUDA_FREE_MEMORY_SHARE if cuda else FREE_MEMORY_SHARE
     room = None if free_bytes is None else int(free_bytes * share) // bytes_per_token
+    if limit_bytes is not None and memory_bytes is None:
+        limit = limit_bytes // bytes_per_token
+        room = limit if room is None else min(room, limit)
     if max_batch is None:
         max_batch = DEFAULT_MAX_BATCH
         if cuda:

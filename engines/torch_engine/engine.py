@@ -53,6 +53,7 @@ class TorchEngine(GenerationEngine):
         compile: str = "auto",
         mps_memory_fraction: float | None = None,
         kv_cache_memory: int | None = None,
+        kv_cache_limit: int | None = None,
         max_batch: int | None = None,
         max_prefill_tokens: int | None = None,
         prefix_cache: bool = True,
@@ -85,6 +86,7 @@ class TorchEngine(GenerationEngine):
         pool, max_batch = size_pool(
             bytes_per_token=per_token, context_length=context_length, max_batch=max_batch,
             memory_bytes=kv_cache_memory, free_bytes=free_memory_bytes(self.device),
+            limit_bytes=kv_cache_limit,
             device=self.device,
         )
         self.context_length = fit_context(context_length, pool, "torch")

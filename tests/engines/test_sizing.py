@@ -39,3 +39,21 @@ def test_what_is_asked_for_is_what_is_given():
     # A KV size of 1 GiB on CUDA: the batch follows it (32k tokens: 16 sequences, so 32).
     assert sized("cuda", 120 * GiB, memory_bytes=GiB) == (32768, 32)
     assert sized("cuda", 120 * GiB, memory_bytes=16 * GiB)[1] == 128
+
+
+def test_a_limit_bounds_the_default_pool_but_not_an_explicit_one():
+    from engines.runtime.sizing import size_pool
+
+    # the memory budget leaves 100 tokens' bytes: the default (32 x 64 tokens) is cut to it
+    pool, _ = size_pool(bytes_per_token=10, context_length=64, max_batch=None,
+                        memory_bytes=None, free_bytes=None, limit_bytes=1000)
+    assert pool.capacity_tokens <= 100
+    # on a GPU the memory free once loaded bounds it too
+    pool, batch = size_pool(bytes_per_token=10, context_length=64, max_batch=None,
+                            memory_bytes=None, free_bytes=10_000, device="cuda",
+                            limit_bytes=1_000_000)
+    assert pool.capacity_tokens <= 10_000 // 10
+    # --kv-cache-memory is the user's own number
+    pool, _ = size_pool(bytes_per_token=10, context_length=64, max_batch=None,
+                        memory_bytes=5000, free_bytes=None, limit_bytes=1000)
+    assert 480 <= pool.capacity_tokens <= 500  # whole blocks of 16

@@ -42,21 +42,23 @@ class FakeFactory:
         return name in self._available
 
     def estimate(self, name, spec):
-        return Estimate(self.weights_bytes, 1000, spec.context_length, self.kv_bytes)
+        return Estimate(self.weights_bytes, 1000, spec.context_length)
 
     def default_memory_budget(self):
         return 1 << 40
 
-    def create(self, name, spec, kv_cache_memory=None):
+    def create(self, name, spec, kv_cache_limit=None):
         if spec.task in ("classify", "embed"):
             engine = FakeClassifier(name) if spec.task == "classify" else FakeEmbedder(name)
             self.engines[f"{spec.id}-{name}"] = engine
             return engine
         engine = self.engine_class(name, context_length=spec.context_length, **self.engine_kwargs)
-        # what the memory budget counts: the weights, and the KV cache the budget left it
-        engine.info = dataclasses.replace(
-            engine.info, weights_bytes=self.weights_bytes,
-            kv_cache_bytes=self.kv_bytes if kv_cache_memory is None else kv_cache_memory)
+        # what the memory budget counts: the weights, and its default KV cache (None: all it
+        # may take) within what the budget left it, as the engines size theirs
+        kv = self.kv_bytes if kv_cache_limit is None else min(
+            kv_cache_limit, self.kv_bytes or kv_cache_limit)
+        engine.info = dataclasses.replace(engine.info, weights_bytes=self.weights_bytes,
+                                          kv_cache_bytes=kv)
         self.engines[name] = engine
         return engine
 

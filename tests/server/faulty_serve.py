@@ -29,12 +29,12 @@ class SlowFactory:
         return True
 
     def estimate(self, name, spec):
-        return Estimate(0, 0, spec.context_length, 0)
+        return Estimate(0, 0, spec.context_length)
 
     def default_memory_budget(self):
         return 1 << 40
 
-    def create(self, name, spec, kv_cache_memory=None):
+    def create(self, name, spec, kv_cache_limit=None):
         return ReportingEngine(name, reply=self.reply, context_length=4096, token_delay_s=0.05)
 
 

@@ -25,9 +25,9 @@ class CountingFactory(FakeFactory):
         super().__init__(**kw)
         self.loads: list[str] = []
 
-    def create(self, name, spec, kv_cache_memory=None):
+    def create(self, name, spec, kv_cache_limit=None):
         self.loads.append(spec.id)
-        return super().create(name, spec, kv_cache_memory)
+        return super().create(name, spec, kv_cache_limit)
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ class ExplodingEngine(FakeEngine):
 
 
 class ExplodingFactory(FakeFactory):
-    def create(self, name, spec, kv_cache_memory=None):
+    def create(self, name, spec, kv_cache_limit=None):
         return ExplodingEngine(name, context_length=spec.context_length)
 
 
