@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..base import EngineInfo
 from ..dummy import is_dummy

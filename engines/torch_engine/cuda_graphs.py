@@ -7,11 +7,13 @@ of the smallest attention bucket that holds the longest row (powers of two from 
 context). The graph reads every input (token, position, write slot, block table) from one
 device buffer, filled by a single host-to-device copy per step: a step's host work is that copy
 and a replay. Attention and the MLP's activation run through the Triton kernels of
-decode_attention.py and silu_mul.py; greedy picks are made inside the graph."""
+decode_attention.py and silu_mul.py; greedy picks are made inside the graph. Inductor's
+compiled step and its tuned kernels are cached across starts (configure_inductor)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +47,41 @@ def attention_buckets(max_len: int) -> list[int]:
 
 def smallest(buckets: list[int], n: int) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def configure_inductor() -> None:
+    """Inductor's settings for the decode step (process-wide, as in gpt-fast: they must hold
+    when a kernel first launches, after torch.compile's options have lapsed)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    from ..sources import cache_root
+
+    # Coordinate-descent tuning of the generated kernels: for small-batch matrix products the
+    # tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an H200 at batch 1:
+    # 1.34 -> 1.16 ms a step for llama-3.2-1b).
+    inductor_config.coordinate_descent_tuning = True
+    # Kernels loaded by the static launcher ignore the tuning kept in Inductor's cache before
+    # torch 2.12 (pytorch#172819), and every start tuned again (27 s of a 60 s warm start, 1B
+    # shape, H100). Its gain is launch overhead, and the step is replayed as CUDA graphs.
+    inductor_config.use_static_cuda_launcher = False
+    # Float attributes (norm epsilons) kept as constants: as symbols they made Dynamo restart
+    # its analysis halfway through each compile (19 s of that start).
+    dynamo_config.specialize_float = True
+    # Compiled kernels and their tuning kept where duet keeps its models rather than in /tmp,
+    # which a reboot empties; Inductor's keys hold the graph, shapes, torch version and device.
+    # A TORCHINDUCTOR_CACHE_DIR of the user's own wins.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+def compile_summary() -> str:
+    """What this process's compiles took from Inductor's cache, for the start-up log."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return (f"compiled: {inductor['fxgraph_cache_hit']} graphs from Inductor's cache, "
+            f"{inductor['fxgraph_cache_miss']} compiled anew, "
+            f"{inductor['coordesc_tuning_bench']} tuning runs")
 
 
 class CudaGraphs:
@@ -109,15 +146,10 @@ class GraphDecoder:
         self._fn = self._step_impl
         if backend is not None:
             if backend == "inductor":
-                # Coordinate-descent tuning of the generated kernels: for small-batch matrix
-                # products the tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on
-                # an H200 at batch 1: 1.34 -> 1.16 ms a step for llama-3.2-1b). Global, as in
-                # gpt-fast: the tuning runs when a kernel first launches, after compile options
-                # have lapsed.
-                import torch._inductor.config as inductor_config
-
-                inductor_config.coordinate_descent_tuning = True
-            # dynamic: one compiled graph serves every batch and attention bucket.
+                configure_inductor()
+            # dynamic: one compiled graph serves every batch of 2 or more and every attention
+            # bucket; a batch of 1 gets its own (Dynamo specializes sizes of 1), whose kernels
+            # are tuned for one row.
             self._fn = torch.compile(self._step_impl, dynamic=True, fullgraph=True,
                                      backend=backend)
 
@@ -188,5 +220,5 @@ class GraphDecoder:
             "captured %d decode graphs (batches %s, attention buckets %s, %s attention, %s) in "
             "%.1fs", len(self._graphs), self.batches, self.lengths,
             "Triton kernel" if self.kernels else "PyTorch-op",
-            "compiled" if self.compiled else "eager ops", time.perf_counter() - started,
+            compile_summary() if self.compiled else "eager ops", time.perf_counter() - started,
         )

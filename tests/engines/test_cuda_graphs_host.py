@@ -77,6 +77,33 @@ def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, 
     assert got[0] == engine_solo
 
 
+def test_the_compiled_step_is_two_graphs_for_every_bucket(tiny_dirs, monkeypatch):
+    """Compiled (Dynamo, with a backend that records what it is given), the step is two graphs
+    whatever the buckets: one for a batch of 1, one for every other batch and attention bucket.
+    Each is traced and compiled again at every start: a third would cost each start its time."""
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                                  graphs=ReplayedGraphs(), backend=record)
+        engine.decoder.warm_up()
+        assert len(engine.decoder._graphs) == 3 * 4
+        assert len(graphs) == 2
+        runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+        got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+        assert got == expected
+    finally:
+        torch._dynamo.reset()
+
+
 def graph_engine(tiny_dirs, family="llama", max_batch=3, **options):
     engine = TorchEngine(tiny_dirs[family][0], context_length=96, dtype="float32", device="cpu",
                          **options)
