@@ -37,6 +37,36 @@ def model_dir(model: str, cache: Path) -> Path:
     return write_dummy_model(model, cache / "dummy" / model)
 
 
+def mlx_checkpoint(source: Path, bits: int, cache: Path) -> Path:
+    """source quantized by mlx-lm itself, as `mlx_lm.convert -q --q-bits BITS` writes it
+    (affine, groups of 64, the head included), in bfloat16 otherwise: one checkpoint that duet's
+    MLX engine and mlx-lm both load. A dummy's random weights are drawn once and saved."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    from engines.dummy import DUMMY_FLAG, is_dummy
+    from engines.mlx_engine.engine import _legacy_rope_keys
+
+    target = cache / "mlx-quantized" / f"{source.name}-q{bits}"
+    if (target / "config.json").is_file():
+        return target
+    config = json.loads((source / "config.json").read_text())
+    model, config = load_model(source, strict=not is_dummy(config),
+                               model_config=_legacy_rope_keys(config))
+    model.set_dtype(mx.bfloat16)
+    model, config = quantize_model(model, config, group_size=64, bits=bits)
+    config.pop(DUMMY_FLAG, None)  # its weights are in the files now
+    target.mkdir(parents=True)
+    save_model(target, model)
+    save_config(config, target / "config.json")
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, target / f.name)
+    return target
+
+
 def gpu_check(path: Path, dtype: str, context: int, steps: int = 64) -> dict:
     """The compiled path's greedy tokens against the eager path's, step by step. Random
     weights give near-ties between the top logits, which half precision flips; the check
@@ -159,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "bench")
     p.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--tag", default="", help="extra words for the result's key (e.g. the GPU)")
+    p.add_argument("--mlx-quantized", type=int, choices=(4, 8),
+                   help="run the MLX systems on this many bits: a checkpoint quantized by "
+                        "mlx-lm itself, which both load")
     args = p.parse_args(argv)
 
     from engines.device import choose_device, choose_dtype
@@ -166,6 +199,9 @@ def main(argv=None) -> int:
     device = choose_device(args.device)
     dtype = choose_dtype(args.dtype, device)
     path = model_dir(args.model, args.cache)
+    if args.mlx_quantized:
+        path = mlx_checkpoint(path, args.mlx_quantized, args.cache)
+        args.tag = f"{args.tag}-mlx-q{args.mlx_quantized}".strip("-")
     prompt_lens = [int(x) for x in args.prompts.split(",")]
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     bandwidth = systems.copy_bandwidth(device)

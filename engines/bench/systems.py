@@ -341,7 +341,10 @@ def weight_bytes(model_dir: Path, dtype: str, device: str) -> int:
     from ..device import choose_dtype
     from ..torch_engine.config import ModelArgs
 
-    a = ModelArgs.from_hf(json.loads((model_dir / "config.json").read_text()))
+    config = json.loads((model_dir / "config.json").read_text())
+    if "quantization" in config:  # a quantized checkpoint is read as stored
+        return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    a = ModelArgs.from_hf(config)
     per_layer = (
         a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         + a.num_heads * a.head_dim * a.hidden_size
