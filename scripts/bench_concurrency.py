@@ -265,8 +265,8 @@ def start_server(args, *, prefix_cache: bool = False) -> tuple[subprocess.Popen,
 def load_references(args) -> dict:
     """Each reference system set up once: name -> system (run_batch(prompts, max_tokens) gives
     the seconds to give every prompt max_tokens, prefill included)."""
-    from engines.config import load_models_file
-    from engines.sources import resolve_model_dir
+    from engines.models.config import load_models_file
+    from engines.models.sources import resolve_model_dir
 
     spec = next(s for s in load_models_file(ROOT / "models.toml") if s.id == args.model)
     path = resolve_model_dir(spec)

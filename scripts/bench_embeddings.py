@@ -53,9 +53,9 @@ def main() -> int:
     import numpy as np
 
     from engines.base import EmbedParams
-    from engines.config import load_models_file
+    from engines.models.config import load_models_file
     from engines.factory import create_engine
-    from engines.sources import resolve_model_dir
+    from engines.models.sources import resolve_model_dir
 
     spec = next(s for s in load_models_file(ROOT / "models.toml") if s.id == MODEL)
     model_dir = resolve_model_dir(spec)

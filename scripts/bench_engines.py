@@ -27,12 +27,12 @@ from engines.bench import core, report, systems  # noqa: E402
 def model_dir(model: str, cache: Path) -> Path:
     if model == "default":
         # The packaged GGUF model; needs the server's own dependencies (pydantic).
-        from engines.config import load_models_file
-        from engines.sources import resolve_model_dir
+        from engines.models.config import load_models_file
+        from engines.models.sources import resolve_model_dir
 
         spec = load_models_file(ROOT / "models.toml")[0]
         return resolve_model_dir(spec)
-    from engines.dummy import write_dummy_model
+    from engines.models.dummy import write_dummy_model
 
     return write_dummy_model(model, cache / "dummy" / model)
 
@@ -46,7 +46,7 @@ def mlx_checkpoint(source: Path, bits: int, cache: Path) -> Path:
     import mlx.core as mx
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-    from engines.dummy import DUMMY_FLAG, is_dummy
+    from engines.models.dummy import DUMMY_FLAG, is_dummy
     from engines.mlx_engine.engine import _legacy_rope_keys
 
     target = cache / "mlx-quantized" / f"{source.name}-q{bits}"

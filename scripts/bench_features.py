@@ -19,7 +19,7 @@ Prints a table of median aggregate tok/s per feature and level, and each one's r
 decoding at the same level; writes JSON under docs/bench/.
 
 A grammar needs a real vocabulary, which the dummy models' word-level tokenizers lack:
---dummy-shape SHAPE serves random weights of that shape (engines/dummy.py) with the default
+--dummy-shape SHAPE serves random weights of that shape (engines/models/dummy.py) with the default
 model's own tokenizer, from a model directory and registry file written under --work-dir (on a
 GPU machine without the default model's package, copy that directory over and pass its
 models.toml with --serve-args --config).
@@ -65,9 +65,9 @@ def dummy_with_real_tokenizer(shape: str, work_dir: Path) -> tuple[str, Path]:
     registry file serving it on the torch engine: (its model id, the registry file)."""
     import shutil
 
-    from engines.config import load_models_file
-    from engines.dummy import DUMMY_FLAG, SHAPES
-    from engines.sources import resolve_model_dir
+    from engines.models.config import load_models_file
+    from engines.models.dummy import DUMMY_FLAG, SHAPES
+    from engines.models.sources import resolve_model_dir
 
     source = resolve_model_dir(load_models_file(ROOT / "models.toml")[0])
     real = json.loads((source / "config.json").read_text())

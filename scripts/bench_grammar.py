@@ -68,8 +68,8 @@ NOTES = [
 def default_tokenizer_dir() -> str | None:
     try:
         sys.path.append(str(ROOT))
-        from engines.config import load_models_file
-        from engines.sources import resolve_model_dir
+        from engines.models.config import load_models_file
+        from engines.models.sources import resolve_model_dir
         from server.settings import REPO_MODELS_FILE
 
         specs = load_models_file(REPO_MODELS_FILE)

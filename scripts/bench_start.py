@@ -88,7 +88,7 @@ logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(name
 torch._logging.set_logs(dynamo=logging.INFO)
 # which kernels are tuned ("= Do coordinate descent tuning for <kernel> =")
 logging.getLogger("torch._inductor.runtime.coordinate_descent_tuner").setLevel(logging.DEBUG)
-from engines.dummy import write_dummy_model
+from engines.models.dummy import write_dummy_model
 from engines.torch_engine import TorchEngine
 shape = sys.argv[1]
 d = write_dummy_model(shape, Path(tempfile.mkdtemp()) / shape)

@@ -48,7 +48,7 @@ def main() -> int:
     import torch
 
     from engines.base import SamplingParams
-    from engines.dummy import write_dummy_model
+    from engines.models.dummy import write_dummy_model
     from engines.torch_engine import TorchEngine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

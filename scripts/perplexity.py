@@ -73,8 +73,8 @@ def perplexity(score, ids: list[int], window: int) -> float:
 
 
 def main() -> int:
-    from engines import gguf_convert
-    from engines.sources import find_package_file
+    from engines.models import gguf_convert
+    from engines.models.sources import find_package_file
     from engines.torch_engine import TorchEngine
 
     p = argparse.ArgumentParser(description=__doc__,

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     from engines.base import SamplingParams
     from engines.bench.core import step_in_waves
-    from engines.dummy import write_dummy_model
+    from engines.models.dummy import write_dummy_model
     from engines.mlx_engine import MLXEngine
     from engines.runtime.runtime import Runtime
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
-from engines.config import load_models_file
+from engines.models.config import load_models_file
 
 from .auth import APIKeyMiddleware
 from .bench import STATIC_DIR, BenchService

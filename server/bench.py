@@ -26,7 +26,7 @@ from engines.bench import core
 from engines.bench.report import device_label, environment
 from engines.bench.systems import REFERENCES, ReferenceTarget
 from engines.factory import backend_available, backend_missing
-from engines.sources import resolve_model_dir
+from engines.models.sources import resolve_model_dir
 
 from .errors import APIError, bad_request, from_engine_error, wrong_task
 from .protocol import Text

@@ -10,7 +10,7 @@ from functools import partial
 from fastapi.responses import JSONResponse
 
 from engines.base import ClassifyParams, Engine, EngineError, StopCheck, UnsupportedModel
-from engines.config import ModelSpec
+from engines.models.config import ModelSpec
 
 from .classify_protocol import ClassificationRequest, classification_response
 from .errors import bad_request, echo, from_engine_error, wrong_task

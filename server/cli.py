@@ -18,7 +18,7 @@ def run_server(app, settings) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from engines.config import ConfigError
+    from engines.models.config import ConfigError
 
     from .app import create_app
     from .auth import exposure_warning
@@ -68,8 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     """Convert/locate a model's files now rather than on first start (used by the Docker image)."""
-    from engines.config import ConfigError, load_models_file
-    from engines.sources import ModelSourceError, resolve_model_dir
+    from engines.models.config import ConfigError, load_models_file
+    from engines.models.sources import ModelSourceError, resolve_model_dir
 
     from .registry import default_model_id
     from .settings import Settings

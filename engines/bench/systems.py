@@ -87,7 +87,7 @@ class HFGenerate:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from ..device import choose_device, choose_dtype, torch_dtype
-        from ..dummy import is_dummy
+        from ..models.dummy import is_dummy
 
         self.device = choose_device(self.device)
         self.torch = torch
@@ -149,7 +149,7 @@ class MLXLMGenerate:
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
-        from ..dummy import is_dummy
+        from ..models.dummy import is_dummy
         from ..mlx_engine.engine import _MX_DTYPES, _legacy_rope_keys, choose_mlx_dtype, mlx_device
 
         config = json.loads((model_dir / "config.json").read_text())

@@ -14,10 +14,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..base import EngineInfo
-from ..dummy import is_dummy
+from ..models.dummy import is_dummy
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..memory import kv_bytes_per_token
-from ..model_config import attention_window
+from ..models.model_config import attention_window
 from ..quantization import Quantization
 from ..quantization import resolve as resolve_quantization
 from ..runtime.sizing import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import UnsupportedModel
-from ..model_config import attention_window
+from ..models.model_config import attention_window
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 

@@ -55,7 +55,7 @@ def configure_inductor() -> None:
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    from ..sources import cache_root
+    from ..models.sources import cache_root
 
     # Coordinate-descent tuning of the generated kernels: for small-batch matrix products the
     # tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an H200 at batch 1:

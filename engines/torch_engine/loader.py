@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..base import UnsupportedModel
-from ..dummy import is_dummy
+from ..models.dummy import is_dummy
 from .config import ModelArgs
 from .model import Transformer
 

@@ -9,8 +9,8 @@ import numpy as np
 import openai
 import pytest
 
-from engines.config import load_models_file
-from engines.sources import resolve_model_dir
+from engines.models.config import load_models_file
+from engines.models.sources import resolve_model_dir
 from server.app import create_app
 from server.settings import REPO_MODELS_FILE, Settings
 from tests.live_server import LiveServer

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engines.config import ConfigError, ModelSpec, load_models_file
-from engines.sources import ModelSourceError, find_package_file, resolve_model_dir
+from engines.models.config import ConfigError, ModelSpec, load_models_file
+from engines.models.sources import ModelSourceError, find_package_file, resolve_model_dir
 from server.settings import REPO_MODELS_FILE
 
 GOOD = """

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines import device as dev
-from engines.dummy import SHAPES, write_dummy_model
+from engines.models.dummy import SHAPES, write_dummy_model
 from engines.torch_engine.config import ModelArgs
 from engines.torch_engine.loader import random_model
 

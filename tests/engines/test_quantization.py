@@ -3,7 +3,7 @@
 import pytest
 
 from engines.base import UnsupportedModel
-from engines.config import ModelSpec
+from engines.models.config import ModelSpec
 from engines.quantization import SOURCE_KEY, resolve
 
 

@@ -6,7 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .base import EngineError
+from ..base import EngineError
 from .config import ModelSpec
 from .dummy import write_dummy_model
 from .gguf_convert import CONVERTER_VERSION, convert_gguf

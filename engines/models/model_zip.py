@@ -1,7 +1,7 @@
 """Extract a zip of a model directory once into the model cache.
 
 A model shipped as a zip (sentence-transformers' files, say) is unpacked into a directory of
-its own, which appears whole or not at all (engines/atomic_dir.py); later starts find it
+its own, which appears whole or not at all (engines/models/atomic_dir.py); later starts find it
 complete and read nothing from the zip. Members that would land outside the directory
 (absolute paths, '..') are refused, and a zip holding one top-level folder is read from that
 folder.

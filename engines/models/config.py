@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from .keep_alive import parse_keep_alive
+from ..keep_alive import parse_keep_alive
 
 SOURCE_KINDS = ("package", "path", "hf", "dummy")
 
