@@ -10,7 +10,9 @@ in all however many prompts joined. Stop strings, end ids and max_tokens are the
 the generator is told none of them.
 
 With a prompt cache (prompt_cache.py), a sequence that leaves gives its KV to it, and a prompt
-that starts as a kept one did joins with that prefix's KV and prefills only the rest."""
+that starts as a kept one did joins with that prefix's KV and prefills only the rest.
+
+A prompt that finds the generator idle runs alone outside it (lone.py) until another joins."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
+from .lone import LoneStream
 from .prompt_cache import PromptCache
 from .sampling import make_processor, make_sampler, token_logprobs
 
@@ -46,11 +49,14 @@ class MLXExecutor:
     # batch a join; with 5 ms none did.
     quiet_s = 0.005
     min_chunk = 32  # a prompt's fewest tokens a step, however many share the budget
+    lone = True  # a prompt joining an idle generator decodes alone (lone.py)
 
     def __init__(self, model, *, max_batch: int, max_prefill_tokens: int, context_length: int,
                  prompt_cache: PromptCache | None = None):
         from mlx_lm.generate import BatchGenerator
 
+        self._model = model
+        self._lone: LoneStream | None = None
         self._gen = BatchGenerator(
             model, max_tokens=context_length, completion_batch_size=max_batch,
             prefill_batch_size=max_batch, prefill_step_size=max_prefill_tokens,
@@ -72,7 +78,8 @@ class MLXExecutor:
     def launch(self, plan: StepPlan) -> StepOutput:
         """The whole step: MLX's own lazy evaluation already overlaps the host and the device."""
         self.release(plan.released)
-        new = [row for row in plan.prefill if row.seq_id not in self._uid]
+        new = [row for row in plan.prefill
+               if row.seq_id not in self._uid and not self._is_lone(row.seq_id)]
         now = time.perf_counter()
         if new:
             if not self._held:
@@ -82,14 +89,25 @@ class MLXExecutor:
                 self._widest_gap = max(self._widest_gap, now - self._last_new)
             self._held += new
             self._last_new = now
+        handed = {}
         if self._held and self._joins(bool(new), now):
-            self._insert(self._held)
+            if self.lone and not self._uid and self._lone is None and len(self._held) == 1:
+                self._start_lone(self._held[0])
+            else:
+                handed = self._end_lone()
+                self._insert(self._held)
             self._held = []
         cached, self._cached = self._cached, {}
-        kept = None
-        if self._cache is not None:
-            self._cache.fit()  # the running sequences grew: kept prefixes give way
-            kept = self._cache.tokens
+        if self._lone is not None:
+            return self._lone_step(cached)
+        if handed:
+            # The generator's next() could answer the handed sequence's next token at once: a
+            # step answers one token a sequence, so the generator steps from the next one.
+            return StepOutput({seq_id: token for seq_id, (token, _) in handed.items()},
+                              {seq_id: lp for seq_id, (_, lp) in handed.items()
+                               if lp is not None},
+                              cached_tokens=cached, kept_tokens=self._kept())
+        kept = self._kept()
         if not self._uid:
             if self._held:  # an idle generator waiting out the quiet window: no busy loop
                 time.sleep(min(self.quiet_s / 4, 0.0005))
@@ -116,6 +134,62 @@ class MLXExecutor:
     def collect(output: StepOutput) -> StepOutput:
         return output
 
+    def _is_lone(self, seq_id: int) -> bool:
+        return self._lone is not None and self._lone.seq_id == seq_id
+
+    def _start_lone(self, row: ScheduledSeq) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        layers, n = (None, 0) if self._cache is None else self._cache.take(row.tokens)
+        if n:
+            self._cached[row.seq_id] = n
+        self._lone = LoneStream(
+            seq_id=row.seq_id, model=self._model,
+            cache=layers if layers is not None else make_prompt_cache(self._model),
+            unfed=list(row.tokens[n:]), fed=list(row.tokens[:n]),
+            sampler=make_sampler(row.sampling, row.draws),
+            processors=([] if row.sampling.processing is None
+                        else [make_processor(row.sampling.processing, len(row.history[0]))]),
+            logprobs=row.sampling.logprobs, prefill_chunk=self._budget,
+        )
+        self._prefilling.add(row.seq_id)
+
+    def _lone_step(self, cached: dict[int, int]) -> StepOutput:
+        lone = self._lone
+        got = lone.step()
+        if got is None:
+            return StepOutput({}, cached_tokens=cached, kept_tokens=self._kept())
+        self._prefilling.discard(lone.seq_id)
+        token, scored = got
+        return StepOutput({lone.seq_id: token},
+                          {lone.seq_id: scored} if scored is not None else {},
+                          cached_tokens=cached, kept_tokens=self._kept())
+
+    def _kept(self) -> int | None:
+        if self._cache is None:
+            return None
+        self._cache.fit()  # the running sequences grew: kept prefixes give way
+        return self._cache.tokens
+
+    def _end_lone(self) -> dict:
+        """Hand the lone sequence (if any) to the generator; the token it had picked but not
+        answered yet, by seq id."""
+        lone, self._lone = self._lone, None
+        if lone is None:
+            return {}
+        picked, state = lone.hand_over()
+        (uid,) = self._gen.insert(
+            [state.prompt], caches=[state.cache], all_tokens=[state.fed],
+            max_tokens=[self._context],
+            samplers=[lone.sampler], logits_processors=[lone.processors])
+        self._uid[lone.seq_id], self._seq[uid] = uid, lone.seq_id
+        if lone.logprobs is not None:
+            self._logprobs[lone.seq_id] = lone.logprobs
+        if picked is None:
+            return {}
+        self._prefilling.add(lone.seq_id)  # its next token comes as a prompt's first
+        return {lone.seq_id: picked}
+
     def _forget(self, seq_id: int) -> int:
         """Drop a sequence's bookkeeping; its generator uid."""
         uid = self._uid.pop(seq_id)
@@ -130,7 +204,7 @@ class MLXExecutor:
         once the oldest has waited gather_s."""
         if len(self._held) >= self._group or now - self._held_since >= self.gather_s:
             return True
-        if self._uid:
+        if self._uid or self._lone is not None:
             return not newcomers
         return now - self._last_new >= self.quiet_s
 
@@ -170,6 +244,10 @@ class MLXExecutor:
             gone = set(seq_ids)
             self._held = [row for row in self._held if row.seq_id not in gone]
         self._prefilling.difference_update(seq_ids)
+        if self._lone is not None and self._lone.seq_id in seq_ids:
+            lone, self._lone = self._lone, None
+            if self._cache is not None:
+                self._cache.put(*lone.kept())
         uids = [self._forget(s) for s in seq_ids if s in self._uid]
         if not uids:
             return

@@ -36,6 +36,7 @@ def warm_up_batching(engine) -> float:
     runtime = Runtime(engine, max_batch=max(3, rows), threaded_output=False)
     executor = runtime.executor
     executor.gather_s = executor.quiet_s = 0.0  # each arrival joins at once
+    executor.lone = False  # the generator's own paths (a lone stream's are the load's warm-up)
     failures: list[BaseException] = []
 
     def emit(event):

@@ -213,7 +213,8 @@ def test_mlx_gathered_prompts_join_at_the_first_step_without_a_newcomer(tiny_dir
 def test_an_idle_mlx_generator_holds_a_burst_until_it_goes_quiet(tiny_dirs):
     """The head of a burst reaching an idle generator is not inserted alone: prompts keep
     gathering while they come less than quiet_s apart (here: forever), and join at once when
-    the batch is full; then a lone prompt is taken once quiet_s passes without a newcomer."""
+    the batch is full; then a lone prompt is taken once quiet_s passes without a newcomer (and
+    decoded outside the generator: lone.py)."""
     runtime, jobs, expected, calls = counting_inserts(tiny_dirs, 60.0, quiet_s=60.0)
     got, _ = run_together(runtime, jobs, join_at=[0, 1, 1, 3])
     assert got == expected
@@ -221,7 +222,7 @@ def test_an_idle_mlx_generator_holds_a_burst_until_it_goes_quiet(tiny_dirs):
     runtime.executor.quiet_s = 0.01
     started = time.perf_counter()
     got, _ = run_together(runtime, jobs[:1])
-    assert got == expected[:1] and calls == [4, 1]
+    assert got == expected[:1] and calls == [4]
     assert time.perf_counter() - started >= 0.01
 
 
