@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_engines import model_dir  # noqa: E402
-from engines.bench import report  # noqa: E402
+
 from engines.base import ClassifyParams  # noqa: E402
+from engines.bench import report  # noqa: E402
 
 DATA = [ROOT / "tests/data/sentiment.jsonl", ROOT / "tests/data/sentiment_dev.jsonl"]
 INSTRUCTION = "What is the sentiment of the text?"

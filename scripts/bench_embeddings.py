@@ -53,8 +53,8 @@ def main() -> int:
     import numpy as np
 
     from engines.base import EmbedParams
-    from engines.models.config import load_models_file
     from engines.factory import create_engine
+    from engines.models.config import load_models_file
     from engines.models.sources import resolve_model_dir
 
     spec = next(s for s in load_models_file(ROOT / "models.toml") if s.id == MODEL)

@@ -46,8 +46,8 @@ def mlx_checkpoint(source: Path, bits: int, cache: Path) -> Path:
     import mlx.core as mx
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-    from engines.models.dummy import DUMMY_FLAG, is_dummy
     from engines.mlx_engine.engine import _legacy_rope_keys
+    from engines.models.dummy import DUMMY_FLAG, is_dummy
 
     target = cache / "mlx-quantized" / f"{source.name}-q{bits}"
     if (target / "config.json").is_file():

@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_engines import model_dir  # noqa: E402
-from engines.bench import report  # noqa: E402
+
 from engines.base import Cancelled, ClassifyParams  # noqa: E402
+from engines.bench import report  # noqa: E402
 
 LABELS = tuple(f"label {i:02d} " + "about something rather specific, " * 3 for i in range(32))
 BIG = ClassifyParams(

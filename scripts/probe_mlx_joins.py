@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     from engines.base import SamplingParams
     from engines.bench.core import step_in_waves
-    from engines.models.dummy import write_dummy_model
     from engines.mlx_engine import MLXEngine
+    from engines.models.dummy import write_dummy_model
     from engines.runtime.runtime import Runtime
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -47,9 +47,9 @@ def main() -> int:
     from engines.base import SamplingParams
     from engines.bench.core import step_in_waves
     from engines.bench.systems import MLXLMGenerate
-    from engines.models.dummy import write_dummy_model
     from engines.mlx_engine import MLXEngine
     from engines.mlx_engine.executor import MLXExecutor
+    from engines.models.dummy import write_dummy_model
     from engines.runtime.runtime import Runtime
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

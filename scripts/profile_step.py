@@ -87,8 +87,8 @@ def host_profile(step, steps: int) -> str:
 def main() -> int:
     import torch
 
-    from engines.models.dummy import write_dummy_model
     from engines.grammar import MaskFiller
+    from engines.models.dummy import write_dummy_model
     from engines.runtime.runtime import Runtime, Submission
     from engines.torch_engine import TorchEngine
 

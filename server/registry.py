@@ -10,7 +10,6 @@ from functools import partial
 from typing import Protocol
 
 from engines.base import Engine, EngineError
-from engines.models.config import ModelSpec
 from engines.factory import (
     ENGINE_NAMES,
     backend_available,
@@ -20,8 +19,9 @@ from engines.factory import (
 )
 from engines.keep_alive import parse_keep_alive
 from engines.memory import Estimate
-from engines.runtime.process import wants_process
+from engines.models.config import ModelSpec
 from engines.models.sources import resolve_model_dir
+from engines.runtime.process import wants_process
 
 from .errors import APIError, echo, model_not_found
 from .residency import Residency

@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 
-
 if os.environ.get("DUET_TINY_MODELS"):
     # Under mutation testing this module is imported once, by the process every per-mutant
     # pytest session is forked from: importing the reference models' code here (3 s) spares

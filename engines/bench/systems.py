@@ -149,8 +149,8 @@ class MLXLMGenerate:
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
-        from ..models.dummy import is_dummy
         from ..mlx_engine.engine import _MX_DTYPES, _legacy_rope_keys, choose_mlx_dtype, mlx_device
+        from ..models.dummy import is_dummy
 
         config = json.loads((model_dir / "config.json").read_text())
         self.model, _ = load_model(model_dir, strict=not is_dummy(config),

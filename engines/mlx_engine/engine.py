@@ -14,9 +14,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..base import EngineInfo
-from ..models.dummy import is_dummy
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..memory import kv_bytes_per_token
+from ..models.dummy import is_dummy
 from ..models.model_config import attention_window
 from ..quantization import Quantization
 from ..quantization import resolve as resolve_quantization

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic_dir import build_atomically
 from ..quantization import SOURCE_KEY
+from .atomic_dir import build_atomically
 
 COMPLETE_MARKER = "duet-complete.json"
 CONVERTER_VERSION = 3  # 1 wrote every tensor in float32; 2 did not record the source's type

@@ -12,8 +12,8 @@ import torch
 
 from ..base import EngineInfo
 from ..device import (
-    choose_device,
     choose_decode_dtype,
+    choose_device,
     configure_mps,
     free_memory_bytes,
     memory_meter,

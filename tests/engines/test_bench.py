@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.bench import core, report, systems
 from engines.base import Cancelled
+from engines.bench import core, report, systems
 from engines.fake import FakeEngine
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engines.models.config import ModelSpec
 from engines.keep_alive import parse_keep_alive
+from engines.models.config import ModelSpec
 
 
 @pytest.mark.parametrize("value,seconds", [
