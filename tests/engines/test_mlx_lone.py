@@ -7,16 +7,16 @@ import pytest
 
 from engines.base import SamplingParams, Step
 from engines.runtime.runtime import Runtime, Submission
-from tests.engines.test_batching import PROMPTS
-
 pytest.importorskip("mlx_lm")
 
 JOBS = [
-    (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)),
-    (PROMPTS[0], SamplingParams(max_tokens=9, temperature=0.9, top_k=30, seed=4,
-                                ignore_eos=True)),
-    (PROMPTS[4], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                                presence_penalty=1.5, frequency_penalty=0.5, logprobs=0)),
+    (list(range(17, 54)),  # 37 tokens: prefilled 8 a step
+     SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)),
+    ([5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200],
+     SamplingParams(max_tokens=9, temperature=0.9, top_k=30, seed=4, ignore_eos=True)),
+    (list(range(60, 80)),
+     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, presence_penalty=1.5,
+                    frequency_penalty=0.5, logprobs=0)),
 ]
 
 
