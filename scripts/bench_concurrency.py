@@ -21,12 +21,9 @@ each of duet's runs. Prints a table; writes JSON under docs/bench/.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
-import multiprocessing as mp
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -38,150 +35,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+from engines.bench import load  # noqa: E402
+from engines.bench.load import ms, percentile  # noqa: E402,F401  (the other scripts' too)
 
-
-TOKEN_RANGE = [100, 10_000]  # token ids every benchmarked vocabulary has
-
-
-def ms(values: list[float], q: float) -> float:
-    return round(percentile(values, q) * 1000, 1)
+TOKEN_RANGE = list(load.TOKEN_RANGE)  # --max-token-id narrows it
 
 
 def prompts_for(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
-
-
-# -- the load: clients in worker processes -------------------------------------------------
-
-
-# A streamed chunk that carries no new text: a completion's empty first or last chunk, the
-# chat's opening role chunk and closing finish chunk. Matched as text (spaces removed): parsing every line in the client
-# processes would cost more than the load they generate.
-_EMPTY_CHUNKS = ('"text":""', '"content":""}', '"delta":{}')
-
-
-async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
-    import httpx  # noqa: F401
-
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    sent = time.time()
-    chunks: list[float] = []
-    tokens = 0
-    server: dict = {}
-    async with client.stream("POST", url + path, json=body) as resp:
-        if resp.status_code != 200:
-            return {"error": f"{resp.status_code} {await resp.aread()!r}"[:300]}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            if '"usage"' in line and '"choices":[]' in line.replace(" ", ""):
-                last = json.loads(line[6:])
-                tokens = last["usage"]["completion_tokens"]
-                server = last.get("metrics", {})
-            elif not any(e in line.replace(" ", "") for e in _EMPTY_CHUNKS):
-                chunks.append(time.time())
-    return {"sent": sent, "chunks": chunks, "tokens": tokens,
-            "server_ttft_s": server.get("ttft_ms", 0) / 1000,
-            "server_queue_s": server.get("queue_ms", 0) / 1000}
-
-
-def _client_process(url: str, bodies: list[dict], start_at: float, out) -> None:
-    import httpx
-
-    async def main():
-        limits = httpx.Limits(max_connections=len(bodies) + 4)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            # One open connection per stream before the start, as an app's client pool keeps
-            # them: connecting at the start spread the sends of 32 streams over 40-50 ms (an
-            # H100 host, 2026-11-23), time the in-process references never pay.
-            await asyncio.gather(*(client.get(url + "/health") for _ in bodies))
-            return await asyncio.gather(*(_stream_one(client, url, b, start_at) for b in bodies))
-
-    out.put(asyncio.run(main()))
+    return load.prompts_for(n, length, seed, token_range=tuple(TOKEN_RANGE))
 
 
 def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
               engine: str | None, procs: int, extra: dict | None = None,
               prompts: list | None = None) -> dict:
-    """One level of n clients. extra: more fields for every request body; prompts: n prompts
-    (token-id lists, or chat message lists, which send the requests to the chat endpoint)
-    instead of prompt_tokens random ids."""
+    """One level of n clients: the bench core's load mode (engines/bench/load.py)."""
     prompts = prompts if prompts is not None else prompts_for(n, prompt_tokens, seed=n)
-    bodies = [{"model": model, ("messages" if isinstance(p[0], dict) else "prompt"): p,
-               "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True},
-               **({"engine": engine} if engine else {}), **(extra or {})}
-              for p in prompts]
-    procs = max(1, min(procs, n))
-    out = mp.Queue()
-    start_at = time.time() + 1.5  # every process connected and waiting by then
-    workers = [mp.Process(target=_client_process, args=(url, bodies[i::procs], start_at, out))
-               for i in range(procs)]
-    seen = {"batch": 0, "kv_used": 0}
-    stop = threading.Event()
-
-    def watch():
-        import httpx
-
-        while not stop.is_set():
-            try:
-                state = httpx.get(url + "/health", timeout=2).json()["engines"]
-                for e in state:
-                    if e.get("batch", 0) >= seen["batch"]:
-                        seen["step_ms"] = e.get("step_ms")
-                        seen["engine_step_ms"] = e.get("engine_step_ms")
-                    seen["batch"] = max(seen["batch"], e.get("batch", 0))
-                    seen["kv_used"] = max(seen["kv_used"], e.get("kv_cache_used_bytes", 0))
-                    seen["kv_size"] = e.get("kv_cache_bytes", 0)
-            except Exception:
-                pass
-            time.sleep(0.2)  # more often perturbs a small CPU's run
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    for w in workers:
-        w.start()
-    watcher.start()
-    results = []
-    for _ in workers:
-        results += out.get()
-    for w in workers:
-        w.join()
-    stop.set()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise SystemExit(f"{len(errors)} of {n} requests failed: {errors[0]}")
-    first_sent = min(r["sent"] for r in results)
-    last = max(r["chunks"][-1] for r in results)
-    tokens = sum(r["tokens"] for r in results)
-    ttfts = [r["chunks"][0] - r["sent"] for r in results]
-    gaps = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
-    decode = [(r["tokens"] - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
-              if r["tokens"] > 1 and r["chunks"][-1] > r["chunks"][0]]
-    return {
-        "clients": n, "tokens": tokens, "wall_s": round(last - first_sent, 3),
-        "aggregate_tok_s": round(tokens / (last - first_sent), 1),
-        "per_client_decode_tok_s_p50": round(statistics.median(decode), 1) if decode else None,
-        "ttft_ms_p50": ms(ttfts, 50), "ttft_ms_p99": ms(ttfts, 99),
-        # Where TTFT goes: the server's own count (from the request's arrival at its engine
-        # worker), the part of it spent waiting to be scheduled, and the clients' spread.
-        "server_ttft_ms_p50": ms([r["server_ttft_s"] for r in results], 50),
-        "server_ttft_ms_p99": ms([r["server_ttft_s"] for r in results], 99),
-        "server_queue_ms_p50": ms([r["server_queue_s"] for r in results], 50),
-        "sent_spread_ms": round((max(r["sent"] for r in results) - first_sent) * 1000, 1),
-        "itl_ms_p50": round(percentile(gaps, 50) * 1000, 2),
-        "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2),
-        "peak_batch": seen["batch"], "peak_kv_used_bytes": seen["kv_used"],
-        "kv_cache_bytes": seen.get("kv_size", 0),
-        "step_ms_at_peak_batch": seen.get("step_ms"),
-        "engine_step_ms_at_peak_batch": seen.get("engine_step_ms"),
-    }
+    try:
+        return load.run_level(url, model, n, prompt_tokens, max_tokens, engine, procs, extra,
+                              prompts)
+    except load.LoadFailed as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def short_during_long(url: str, model: str, engine: str | None, long_tokens: int,

@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engines.base import ContextLengthExceeded, EngineError, check_context
-from engines.bench import core
+from engines.bench import core, load
 from engines.bench.report import device_label, environment
 from engines.bench.systems import REFERENCES, ReferenceTarget
 from engines.factory import backend_available, backend_missing
@@ -56,13 +56,17 @@ class BenchRequest(BaseModel):
     repeats: int = Field(3, ge=1, description="measured runs per prompt and engine")
     warmup: int = Field(1, ge=0, description="unmeasured runs per engine first")
     references: list[Reference] = Field(default_factory=list)
+    clients: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, min_length=1, max_length=8,
+        description="load mode: for each count, that many clients stream at once through this "
+                    "server's HTTP API (each engine in turn); replaces repeats and warmup")
     stream: bool = False
 
-    @field_validator("engines", "references")
+    @field_validator("engines", "references", "clients")
     @classmethod
     def _distinct(cls, names):
         if names and len(set(names)) != len(names):
-            raise ValueError("each name may appear once")
+            raise ValueError("each value may appear once")
         return names
 
 
@@ -73,6 +77,7 @@ def check_limits(req: BenchRequest, settings: Settings) -> None:
         ("repeats", req.repeats, "bench_max_repeats"),
         ("warmup", req.warmup, "bench_max_warmup"),
         ("prompts", n_prompts, "bench_max_prompts"),
+        ("clients", max(req.clients or [0]), "bench_max_clients"),
     ):
         limit = getattr(settings, setting)
         if value > limit:
@@ -110,6 +115,8 @@ class BenchRun:
     lock: asyncio.Lock
     device: str
     timeout_s: float | None = None  # each run's time limit, as for a request
+    url: str | None = None  # this server, for the load mode's clients
+    headers: dict = field(default_factory=dict)  # what they send (an API key)
     gone: threading.Event = field(default_factory=threading.Event)
 
     async def events(self) -> AsyncIterator[dict]:
@@ -119,6 +126,10 @@ class BenchRun:
         try:
             async with self.lock:  # one bench at a time: two would time each other
                 yield self._start_event()
+                if self.req.clients:
+                    async for event in self._load_events(started):
+                        yield event
+                    return
                 for name in self.req.references:
                     event = await self._load_reference(name)
                     if event["type"] == "error":
@@ -146,6 +157,54 @@ class BenchRun:
         finally:
             self.gone.set()  # stops a run still going on an engine thread
             self._unload_references()
+
+    async def _load_events(self, started: float) -> AsyncIterator[dict]:
+        """The load mode: each engine in turn, each level of clients in turn, every client a
+        stream through this server (engines/bench/load.py), then a summary of the levels."""
+        levels: list[dict] = []
+        errors: dict[str, str] = {}
+        for name in self.targets:
+            for n in self.req.clients:
+                if self.gone.is_set():
+                    break
+                try:
+                    level = await asyncio.to_thread(
+                        load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
+                        engine=name, procs=min(n, LOAD_PROCESSES), prompts=self._load_prompts(n),
+                        headers=self.headers)
+                except Exception as exc:  # one failing engine must not lose the others
+                    log.exception("bench load level on %s failed", name)
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+                    yield _error(name, errors[name])
+                    break
+                if self.gone.is_set():
+                    break
+                levels.append({"target": name, **level})
+                yield {"type": "level", "target": name, **level}
+        yield {
+            "type": "summary", "mode": "load", "model": self.model,
+            "date": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(timespec="seconds"),
+            "preset": None if self.req.prompts else self.req.preset,
+            "clients": list(self.req.clients), "max_tokens": self.req.max_tokens,
+            "cancelled": self.gone.is_set(), "environment": environment(),
+            "wall_s": round(time.time() - started, 3), "levels": levels,
+            "ratios": load_ratios(levels), "errors": errors,
+            "targets": {name: {"info": t.info} for name, t in self.targets.items()},
+        }
+
+    def _load_prompts(self, n: int) -> list:
+        """n prompts cycling over the bench's, each made distinct at its start (a client's own
+        line, its level's too): clients sharing a prompt would otherwise share its prefill
+        (the prefix cache), within a level and from one level to the next."""
+        prompts = []
+        for i in range(n):
+            p = self.prompts[i % len(self.prompts)]
+            if p.messages is not None:
+                prompts.append([{"role": "system", "content": f"Client {i + 1} of {n}."},
+                                *p.messages])
+            else:
+                prompts.append(f"Client {i + 1} of {n}. {p.text}")
+        return prompts
 
     def _start_event(self) -> dict:
         return {
@@ -215,6 +274,20 @@ class BenchRun:
         }
 
 
+# The load mode's client processes (at most; one per client below that): each sends its share
+# of a level's streams from one event loop.
+LOAD_PROCESSES = 4
+
+
+def load_ratios(levels: list[dict]) -> dict[str, float]:
+    """Each engine's aggregate tok/s over every other's, level by level."""
+    by = {(lv["target"], lv["clients"]): lv["aggregate_tok_s"] for lv in levels}
+    names = sorted({t for t, _ in by})
+    return {f"{a} / {b} @ {n}": round(by[(a, n)] / by[(b, n)], 3)
+            for a in names for b in names if a != b
+            for (t, n) in list(by) if t == a and (b, n) in by and by[(b, n)] > 0}
+
+
 def _engine_run(ids: list[int], max_tokens: int, engine, should_stop):
     # A module-level function: a job's function travels to the engine's process by pickle.
     return core.engine_run(engine, ids, max_tokens, should_stop)
@@ -232,10 +305,18 @@ class BenchService:
         self.default_model = default_model
         self.lock = asyncio.Lock()
 
-    async def prepare(self, req: BenchRequest) -> BenchRun:
+    async def prepare(self, req: BenchRequest, url: str | None = None,
+                      headers: dict | None = None) -> BenchRun:
+        """url, headers: where the load mode's clients reach this server, and what they send."""
         if not self.settings.bench_enabled:
             raise bench_disabled()
         check_limits(req, self.settings)
+        if req.clients and req.references:
+            raise bad_request("references are not run in load mode yet", param="references",
+                              code="unsupported_parameter")
+        if req.clients and url is None:
+            raise bad_request("load mode needs the server's HTTP address (POST /bench)",
+                              param="clients", code="unsupported_parameter")
         spec = self.registry.spec(req.model or self.default_model)
         if spec.task != "generate":
             raise wrong_task(spec.id, spec.task, ("generate",))
@@ -267,7 +348,8 @@ class BenchService:
             })
         return BenchRun(req, spec.id, lambda: resolve_model_dir(spec), spec.dtype,
                         spec.context_length, prompts, prompt_ids, targets, self.lock,
-                        self.settings.device, self.settings.request_timeout_s)
+                        self.settings.device, self.settings.request_timeout_s, url,
+                        dict(headers or {}))
 
 
 def _with_param(err: APIError, param: str) -> APIError:
@@ -295,7 +377,18 @@ def _check_fits(prompt_ids: list[list[int]], max_tokens: int, context: int) -> N
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def respond(service: BenchService, req: BenchRequest):
+def own_url(request) -> str:
+    """Where this server listens, as its own clients reach it: loopback for an address that
+    means every interface."""
+    host, port = request.scope.get("server") or ("127.0.0.1", 80)
+    if host in ("0.0.0.0", "::", "") or host is None:
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+async def respond(service: BenchService, req: BenchRequest, request=None):
     """POST /bench: validate (errors are plain HTTP errors), then a JSON summary or SSE events.
 
     A client that leaves has this request cancelled (server/request_guard.py); the cancellation
@@ -304,7 +397,9 @@ async def respond(service: BenchService, req: BenchRequest):
 
     from .streaming import DONE, sse
 
-    run = await service.prepare(req)
+    auth = request.headers.get("authorization") if request is not None else None
+    run = await service.prepare(req, own_url(request) if request is not None else None,
+                                {"Authorization": auth} if auth else {})
     if req.stream:
         async def body() -> AsyncIterator[str]:
             try:
@@ -324,4 +419,4 @@ async def respond(service: BenchService, req: BenchRequest):
         elif event["type"] == "summary":
             summary = event
     summary.pop("type", None)
-    return JSONResponse({**summary, "runs": runs})
+    return JSONResponse(summary if req.clients else {**summary, "runs": runs})

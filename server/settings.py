@@ -137,6 +137,8 @@ class Settings(BaseSettings):
     bench_max_repeats: int = Field(20, ge=1, description="/bench: most measured runs per prompt")
     bench_max_warmup: int = Field(5, ge=0, description="/bench: most warm-up runs per engine")
     bench_max_prompts: int = Field(8, ge=1, description="/bench: most prompts per run")
+    bench_max_clients: int = Field(64, ge=1,
+                                   description="/bench load mode: most clients of a level")
 
     max_classification_inputs: int = Field(
         256, ge=1, le=100_000, description="POST /v1/classifications: most inputs per request"

@@ -9,7 +9,7 @@ PAGE = STATIC_DIR / "bench.html"
 
 @router.post("/bench", tags=["bench"])
 async def run_bench(body: BenchRequest, request: Request):
-    return await respond(request.app.state.bench, body)
+    return await respond(request.app.state.bench, body, request)
 
 
 @router.get("/bench", tags=["bench"], include_in_schema=False)

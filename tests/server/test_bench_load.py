@@ -1,0 +1,66 @@
+"""POST /bench's load mode over the fake engine: each level's clients stream through the
+server's own HTTP API at once, per engine; the figures add up; limits and refusals."""
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.settings import Settings
+from tests.live_server import LiveServer
+from tests.server.conftest import FakeFactory
+from tests.server.helpers import assert_openai_error, sse_events
+
+
+@pytest.fixture
+def live(models_file):
+    factory = FakeFactory(token_delay_s=0.005, reply="y" * 40)
+    with LiveServer(create_app(Settings(models_file=models_file), factory)) as server:
+        yield server, factory
+
+
+def test_each_level_of_clients_streams_at_once_on_each_engine(live):
+    server, factory = live
+    body = {"model": "tiny", "clients": [1, 3], "max_tokens": 6, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        events = sse_events(client.post("/bench", json=body).text)[:-1]
+    assert events[0]["type"] == "start"
+    levels = [e for e in events if e["type"] == "level"]
+    assert [(lv["target"], lv["clients"]) for lv in levels] == [
+        ("torch", 1), ("torch", 3), ("mlx", 1), ("mlx", 3)]
+    for lv in levels:
+        assert lv["tokens"] == lv["clients"] * 6  # end-of-sequence ignored: all of max_tokens
+        # wall_s is rounded to the millisecond, aggregate_tok_s to a tenth
+        wall, rate = lv["wall_s"], lv["aggregate_tok_s"]
+        assert lv["tokens"] / (wall + 5e-4) - 0.1 <= rate <= lv["tokens"] / (wall - 5e-4) + 0.1
+        assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
+        assert 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
+        assert lv["peak_batch"] <= lv["clients"] and lv["client_cpu_share"] >= 0
+    # Every client's request reached the engine asked for, each prompt its own.
+    for name in ("torch", "mlx"):
+        prompts = [bytes(p).decode(errors="replace") for p in factory.engines[name].calls]
+        clients = [p for p in prompts if "Client " in p]
+        assert len(clients) == 4 and len(set(clients)) == 4
+    summary = events[-1]
+    assert summary["type"] == "summary" and summary["mode"] == "load"
+    assert summary["clients"] == [1, 3] and len(summary["levels"]) == 4
+    by = {(lv["target"], lv["clients"]): lv["aggregate_tok_s"] for lv in levels}
+    assert summary["ratios"]["torch / mlx @ 3"] == pytest.approx(
+        by[("torch", 3)] / by[("mlx", 3)], rel=1e-3)
+
+
+def test_load_mode_limits_and_refusals(live):
+    server, _ = live
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        resp = client.post("/bench", json={"model": "tiny", "clients": [1, 65]})
+        assert_openai_error(resp, 400, code="bench_limit_exceeded", param="clients")
+        resp = client.post("/bench", json={"model": "tiny", "clients": [2, 2]})
+        assert resp.status_code == 400
+        resp = client.post("/bench", json={"model": "tiny", "clients": [0]})
+        assert resp.status_code == 400
+        resp = client.post("/bench", json={"model": "tiny", "clients": [1],
+                                           "references": ["transformers"]})
+        assert resp.status_code == 400
+        # A plain JSON answer: the summary of the levels, no per-run list.
+        body = client.post("/bench", json={"model": "tiny", "clients": [2], "max_tokens": 3,
+                                           "engines": ["torch"]}).json()
+        assert [lv["clients"] for lv in body["levels"]] == [2] and "runs" not in body
