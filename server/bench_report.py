@@ -199,7 +199,12 @@ def run_from_cli(args) -> int:
         "engines": args.engines.split(",") if args.engines else None,
         "references": args.references.split(",") if args.references else [],
         "max_tokens": args.max_tokens, "repeats": args.repeats, "warmup": args.warmup,
+        "clients": [int(n) for n in args.clients.split(",")] if args.clients else None,
     }.items() if v is not None}
+    if args.clients and not args.url:
+        print("duet bench: --clients (the load mode) runs against a server: give --url",
+              file=sys.stderr)
+        return 2
     summary: dict = {}
     runs: list[dict] = []
 
@@ -214,6 +219,10 @@ def run_from_cli(args) -> int:
         elif kind == "start":
             print(f"duet bench: {event['model']}, {len(event['prompts'])} prompts, "
                   f"{event['repeats']} repeats, {event['max_tokens']} tokens", flush=True)
+        elif kind == "level":
+            from .bench_load_report import level_line
+
+            print("  " + level_line(event), flush=True)
         elif kind == "target":
             print(f"  {event['name']} loaded in {event['load_s']:.1f} s", flush=True)
         elif kind == "error":
@@ -243,13 +252,23 @@ def run_from_cli(args) -> int:
         print("duet bench: the run ended without a summary", file=sys.stderr)
         return 1
     summary.pop("type", None)
-    print_summary(summary)
     stem = args.name or f"{summary['model']}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     command = "duet bench " + " ".join(args.argv) if args.argv else "duet bench"
-    paths = write_outputs(summary, runs, Path(args.out), stem, command)
+    if summary.get("mode") == "load":
+        from . import bench_load_report as report
+
+        report.print_summary(summary)
+        paths = report.write_outputs(summary, Path(args.out), stem, command)
+        render = report.markdown
+        ok = not summary["errors"]
+    else:
+        print_summary(summary)
+        paths = write_outputs(summary, runs, Path(args.out), stem, command)
+        render = markdown
+        ok = all(t.get("runs") for t in summary["targets"].values())
     if args.md_section:
         md = Path(args.md_section)
         image = os.path.relpath(paths["png"], md.parent)
-        write_marked_section(md, stem, markdown(summary, image, command), tag="duet-bench")
+        write_marked_section(md, stem, render(summary, image, command), tag="duet-bench")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if all(t.get("runs") for t in summary["targets"].values()) else 1
+    return 0 if ok else 1

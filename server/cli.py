@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--max-tokens", type=int, help="tokens per run (default 64)")
     bench.add_argument("--repeats", type=int, help="measured runs per prompt (default 3)")
     bench.add_argument("--warmup", type=int, help="warm-up runs per engine (default 1)")
+    bench.add_argument("--clients", help="load mode, with --url: client counts, e.g. 1,4,16; "
+                                         "each level's clients stream through the server at once")
     bench.add_argument("--config", help="in-process: model registry file")
     bench.add_argument("--device", help="in-process: torch device (auto, cpu, cuda, mps)")
     bench.add_argument("--out", default="bench-results", help="directory for JSON, markdown and PNG")

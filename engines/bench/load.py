@@ -33,8 +33,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def ms(values: list[float], q: float) -> float:
-    return round(percentile(values, q) * 1000, 1)
+def ms(values: list[float], q: float) -> float | None:
+    """The q-th percentile in ms; None without values (JSON has no NaN)."""
+    return round(percentile(values, q) * 1000, 1) if values else None
 
 
 def prompts_for(n: int, length: int, seed: int = 0,
@@ -211,8 +212,9 @@ def summarize_level(n: int, results: list[dict], seen: dict, client_cpu_s: float
         # The load generator's own CPU time over the level's wall time (all its processes):
         # near the client processes' count means it, not the server, set the pace.
         "client_cpu_share": round(client_cpu_s / wall, 3),
-        "itl_ms_p50": round(percentile(gaps, 50) * 1000, 2),
-        "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2),
+        # None where no stream had two chunks (a fast server may send a short answer whole)
+        "itl_ms_p50": round(percentile(gaps, 50) * 1000, 2) if gaps else None,
+        "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2) if gaps else None,
         "peak_batch": seen["batch"], "peak_kv_used_bytes": seen["kv_used"],
         "kv_cache_bytes": seen.get("kv_size", 0),
         "step_ms_at_peak_batch": seen.get("step_ms"),

@@ -49,6 +49,23 @@ def test_bench_against_a_server_writes_json_markdown_png_and_a_section(fake_serv
     assert text.count("<!-- duet-bench:run1 -->") == 1 and "](../out/run1.png)" in text
 
 
+def test_bench_load_mode_writes_a_table_json_markdown_and_a_chart(fake_server, tmp_path,
+                                                                  capsys):
+    args = ["bench", "--url", fake_server.url, "--model", "tiny", "--max-tokens", "4",
+            "--clients", "1,2", "--engines", "torch", "--out", str(tmp_path), "--name", "load"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 clients:" in out and "TTFT p50 / p99 ms" in out
+    data = json.loads((tmp_path / "load.json").read_text())
+    assert data["mode"] == "load" and [lv["clients"] for lv in data["levels"]] == [1, 2]
+    assert all(lv["tokens"] == 4 * lv["clients"] for lv in data["levels"])
+    assert "| torch | 2 |" in (tmp_path / "load.md").read_text()
+    assert (tmp_path / "load.png").read_bytes().startswith(PNG_MAGIC)
+    # In-process there is no server for the clients to reach: said, not attempted.
+    assert main(["bench", "--clients", "2", "--out", str(tmp_path)]) == 2
+    assert "give --url" in capsys.readouterr().err
+
+
 def test_bench_reports_the_servers_error(fake_server, tmp_path, capsys):
     assert main(["bench", "--url", fake_server.url, "--repeats", "1000",
                  "--out", str(tmp_path)]) == 2
