@@ -26,6 +26,7 @@ from .registry import (
     default_model_id,
     process_policy,
 )
+from .bench_gate import BenchLoadGate, LoadGate
 from .request_guard import RequestGuard, ShutdownNotice
 from .routes import router
 from .service import GenerationService
@@ -79,7 +80,8 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     app.state.tokenizers = TokenizerService(registry, startup_model)
     app.state.startup_model = startup_model
     app.state.started = int(time.time())
-    app.state.bench = BenchService(registry, settings, startup_model)
+    app.state.bench_gate = LoadGate()
+    app.state.bench = BenchService(registry, settings, startup_model, app.state.bench_gate)
     app.state.shutdown = ShutdownNotice()  # expired by run_server when the grace period ends
     install_error_handlers(app)
     app.include_router(router)
@@ -88,6 +90,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
         app.mount("/bench/assets", StaticFiles(directory=STATIC_DIR), name="bench-assets")
     # The last added runs first: CORS answers preflights before the key is asked for, every
     # request is counted (a 401 too), and only a caller with the key gets its body read.
+    app.add_middleware(BenchLoadGate, gate=app.state.bench_gate)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s, shutdown=app.state.shutdown)
     if api_keys:

@@ -28,6 +28,7 @@ from engines.bench.systems import REFERENCES, ReferenceTarget
 from engines.factory import backend_available, backend_missing
 from engines.models.sources import resolve_model_dir
 
+from .bench_gate import HEADER, LoadGate
 from .errors import APIError, bad_request, from_engine_error, wrong_task
 from .protocol import Text
 from .registry import ModelRegistry
@@ -117,6 +118,7 @@ class BenchRun:
     timeout_s: float | None = None  # each run's time limit, as for a request
     url: str | None = None  # this server, for the load mode's clients
     headers: dict = field(default_factory=dict)  # what they send (an API key)
+    gate: LoadGate = field(default_factory=LoadGate)  # keeps other requests out meanwhile
     gone: threading.Event = field(default_factory=threading.Event)
 
     async def events(self) -> AsyncIterator[dict]:
@@ -163,24 +165,28 @@ class BenchRun:
         stream through this server (engines/bench/load.py), then a summary of the levels."""
         levels: list[dict] = []
         errors: dict[str, str] = {}
-        for name in self.targets:
-            for n in self.req.clients:
-                if self.gone.is_set():
-                    break
-                try:
-                    level = await asyncio.to_thread(
-                        load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
-                        engine=name, procs=min(n, LOAD_PROCESSES), prompts=self._load_prompts(n),
-                        headers=self.headers)
-                except Exception as exc:  # one failing engine must not lose the others
-                    log.exception("bench load level on %s failed", name)
-                    errors[name] = f"{type(exc).__name__}: {exc}"
-                    yield _error(name, errors[name])
-                    break
-                if self.gone.is_set():
-                    break
-                levels.append({"target": name, **level})
-                yield {"type": "level", "target": name, **level}
+        headers = {**self.headers, HEADER: self.gate.open()}
+        try:
+            for name in self.targets:
+                for n in self.req.clients:
+                    if self.gone.is_set():
+                        break
+                    try:
+                        level = await asyncio.to_thread(
+                            load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
+                            engine=name, procs=min(n, LOAD_PROCESSES),
+                            prompts=self._load_prompts(n), headers=headers)
+                    except Exception as exc:  # one failing engine must not lose the others
+                        log.exception("bench load level on %s failed", name)
+                        errors[name] = f"{type(exc).__name__}: {exc}"
+                        yield _error(name, errors[name])
+                        break
+                    if self.gone.is_set():
+                        break
+                    levels.append({"target": name, **level})
+                    yield {"type": "level", "target": name, **level}
+        finally:
+            self.gate.close()
         yield {
             "type": "summary", "mode": "load", "model": self.model,
             "date": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(timespec="seconds"),
@@ -299,11 +305,13 @@ def _error(target: str, message: str) -> dict:
 
 
 class BenchService:
-    def __init__(self, registry: ModelRegistry, settings: Settings, default_model: str):
+    def __init__(self, registry: ModelRegistry, settings: Settings, default_model: str,
+                 gate: LoadGate | None = None):
         self.registry = registry
         self.settings = settings
         self.default_model = default_model
         self.lock = asyncio.Lock()
+        self.gate = gate or LoadGate()
 
     async def prepare(self, req: BenchRequest, url: str | None = None,
                       headers: dict | None = None) -> BenchRun:
@@ -349,7 +357,7 @@ class BenchService:
         return BenchRun(req, spec.id, lambda: resolve_model_dir(spec), spec.dtype,
                         spec.context_length, prompts, prompt_ids, targets, self.lock,
                         self.settings.device, self.settings.request_timeout_s, url,
-                        dict(headers or {}))
+                        dict(headers or {}), self.gate)
 
 
 def _with_param(err: APIError, param: str) -> APIError:

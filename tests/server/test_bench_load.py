@@ -1,6 +1,8 @@
 """POST /bench's load mode over the fake engine: each level's clients stream through the
 server's own HTTP API at once, per engine; the figures add up; limits and refusals."""
 
+import time
+
 import httpx
 import pytest
 
@@ -64,3 +66,33 @@ def test_load_mode_limits_and_refusals(live):
         body = client.post("/bench", json={"model": "tiny", "clients": [2], "max_tokens": 3,
                                            "engines": ["torch"]}).json()
         assert [lv["clients"] for lv in body["levels"]] == [2] and "runs" not in body
+
+
+def test_other_requests_are_told_to_wait_while_a_load_level_runs(models_file):
+    """A request from elsewhere would join the level's batch uncounted: it gets a 429 naming
+    the bench, with Retry-After, while the level's own clients are served; after the bench,
+    requests are served again."""
+    import threading
+
+    factory = FakeFactory(token_delay_s=0.05, reply="z" * 64)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with LiveServer(create_app(Settings(models_file=models_file), factory)) as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            result = {}
+            bench = threading.Thread(target=lambda: result.update(client.post("/bench", json={
+                "model": "tiny", "clients": [2], "max_tokens": 40,
+                "engines": ["torch"]}).json()))
+            bench.start()
+            deadline = time.time() + 60
+            while not [c for c in factory.engines["torch"].calls if b"Client " in bytes(c)]:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            err = assert_openai_error(client.post("/v1/chat/completions", json=chat), 429,
+                                      code="bench_running")
+            assert "load benchmark" in err["message"]
+            resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+            assert resp.status_code == 429 and int(resp.headers["Retry-After"]) > 0
+            assert client.get("/health").status_code == 200  # not an engine request
+            bench.join(120)
+            assert [lv["tokens"] for lv in result["levels"]] == [80]
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
