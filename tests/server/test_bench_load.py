@@ -96,3 +96,25 @@ def test_other_requests_are_told_to_wait_while_a_load_level_runs(models_file):
             bench.join(120)
             assert [lv["tokens"] for lv in result["levels"]] == [80]
             assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_client_that_leaves_starts_no_further_level(models_file):
+    """A level running when the bench's client hangs up runs out (its streams are bounded by
+    max_tokens); no later level starts, and other requests are served again."""
+    factory = FakeFactory(token_delay_s=0.02, reply="w" * 64)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with LiveServer(create_app(Settings(models_file=models_file), factory)) as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            with client.stream("POST", "/bench", json={
+                    "model": "tiny", "clients": [1, 2, 3], "max_tokens": 10,
+                    "engines": ["torch"], "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if '"type":"level"' in line.replace(" ", ""):
+                        break  # the first level is in; now hang up
+            # The stream's next level may have started before the hang-up reached the server:
+            # it runs out (0.2 s of tokens), and the one after it must not start.
+            time.sleep(4.0)
+            prompts = [bytes(c) for c in factory.engines["torch"].calls]
+            assert [p for p in prompts if b" of 1." in p]
+            assert not [p for p in prompts if b" of 3." in p]
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
