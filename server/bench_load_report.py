@@ -58,7 +58,9 @@ def markdown(summary: dict, image: str | None = None, command: str | None = None
     lines = [f"### `duet bench --clients`: {title(summary)}", ""]
     if command:
         lines += [f"`{command}`", ""]
+    env = summary["environment"]
     lines += [
+        f"{env['host']}. Versions: {', '.join(f'{k} {v}' for k, v in env['versions'].items())}. "
         f"Each level's clients stream at once through the server's HTTP API, "
         f"{summary['max_tokens']} new tokens each, greedy, end-of-sequence ignored; engines in "
         f"turn.", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
