@@ -162,6 +162,8 @@ class EngineInfo:
     # What it holds in memory (the server's memory budget counts these once it is loaded).
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
+    # What a request's peak_memory_bytes counts (its MemoryMeter's measures).
+    memory_measure: str = ""
 
 
 class EngineError(Exception):

@@ -131,6 +131,8 @@ def default_memory_budget(device: str) -> int:
 class RSSMeter(MemoryMeter):
     """CPU: the process's resident set, sampled each step (RSS has no resettable peak)."""
 
+    measures = "process RSS, sampled each step"
+
     def __init__(self) -> None:
         self._proc = psutil.Process(os.getpid())
         self._peak = 0
@@ -147,6 +149,8 @@ class RSSMeter(MemoryMeter):
 
 
 class CudaMeter(MemoryMeter):
+    measures = "torch CUDA allocator peak"
+
     def __init__(self, device: str) -> None:
         self._device = device
 
@@ -165,6 +169,8 @@ class MPSMeter(MemoryMeter):
     """MPS has no peak counter: sample the allocator each step. Tensors only
     (current_allocated_memory), like CUDA's max_memory_allocated; driver_allocated_memory would
     also count Metal's cached blocks."""
+
+    measures = "torch MPS allocator, sampled each step"
 
     def __init__(self) -> None:
         self._peak = 0

@@ -23,6 +23,10 @@ from .runtime.solo import generate_one
 class MemoryMeter:
     """Peak memory for one request; each backend overrides how it is read."""
 
+    # What peak_bytes() counts, in words a reader of /bench and /health is shown beside it:
+    # the backends' figures differ (a whole process's resident set against an allocator's).
+    measures = "nothing"
+
     def reset(self) -> None: ...
 
     def sample(self) -> None: ...

@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import psutil
+
 from engines.base import Engine, GenerationEvent, RequestStats, SamplingParams, StopCheck
 from engines.runtime.loop import EngineLoop
 from engines.runtime.process import ProcessLoop
@@ -124,7 +126,19 @@ class EngineWorker:
                 "kv_cache_used_tokens": status.kv_used_tokens,
                 "kv_cache_tokens": status.kv_tokens,
                 "prefix_cache_tokens": status.prefix_cache_tokens,
-                "prefix_cache_hit_tokens": status.prefix_cached_tokens}
+                "prefix_cache_hit_tokens": status.prefix_cached_tokens,
+                "process_rss_bytes": self.process_rss_bytes()}
+
+    def process_rss_bytes(self) -> int | None:
+        """The resident memory of the process the engine runs in (the server's own, or its
+        engine process's): the one memory figure measured alike for every engine and device."""
+        pid = self.loop.pid
+        if pid is None:
+            return None
+        try:
+            return psutil.Process(pid).memory_info().rss
+        except psutil.Error:  # the engine process is gone: its restart will say more
+            return None
 
     def _waker_for(self, loop: asyncio.AbstractEventLoop) -> Waker:
         if self._waker is None or self._waker.loop is not loop:

@@ -54,6 +54,8 @@ def choose_mlx_dtype(requested: str, device: str) -> str:
 
 
 class MLXMeter(MemoryMeter):
+    measures = "MLX allocator peak"
+
     def reset(self) -> None:
         mx.reset_peak_memory()
 
@@ -118,6 +120,7 @@ class MLXEngine(GenerationEngine):
             quantization=self.quantization.describe() if self.quantization else "none",
             weights_bytes=sum(v.nbytes for _, v in tree_flatten(self.model.parameters())),
             kv_cache_bytes=pool.capacity_bytes,
+            memory_measure=self.meter.measures,
             extra=pool_info(pool, max_batch),
         )
         log.info(

@@ -13,6 +13,7 @@ interface with the engine in a child process."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -143,6 +144,11 @@ class EngineLoop:
     def status(self) -> RuntimeStatus | None:
         """The runtime as of its last step (None for an engine that does not generate)."""
         return None if self.runtime is None else self.runtime.status()
+
+    @property
+    def pid(self) -> int | None:
+        """The process the engine runs in: this one."""
+        return os.getpid()
 
     def _stepping(self, should_stop: StopCheck) -> StopCheck:
         """should_stop, which first admits what arrived and takes one step of the batch."""

@@ -292,6 +292,11 @@ class ProcessLoop:
         except (OSError, ValueError, AttributeError):
             pass  # never started, or already gone
 
+    @property
+    def pid(self) -> int | None:
+        """The process the engine runs in: the child (None before it started)."""
+        return None if self._process is None else self._process.pid
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the child to exit; one that has not by then is killed (no process of ours
         outlives the server). True when it exited by itself."""

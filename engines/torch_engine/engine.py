@@ -108,6 +108,7 @@ class TorchEngine(GenerationEngine):
             quantization=self.quantization.describe() if self.quantization else "none",
             weights_bytes=weights_bytes,
             kv_cache_bytes=pool.capacity_bytes,
+            memory_measure=self.meter.measures,
             extra={"cuda_graphs": str(self.decoder is not None).lower(),
                    **pool_info(pool, max_batch)},
         )

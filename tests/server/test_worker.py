@@ -6,6 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from engines.base import Cancelled, ContextLengthExceeded, EngineClosed, SamplingParams, Step
@@ -215,7 +216,10 @@ async def test_runtime_status_reports_the_batch_and_the_pool_as_they_are():
         assert engine.kv_pool.grow(blocks, 20)  # two 16-token blocks
         engine.kv_pool.register(blocks[0], 7, 0, tuple(range(16)))  # the first one cached
         runtime.scheduler.cached_tokens = 48
-        assert worker.runtime_status() == {
+        status = worker.runtime_status()
+        rss = status.pop("process_rss_bytes")  # the engine runs in this process
+        assert psutil.Process().memory_info().rss * 0.9 < rss < psutil.Process().memory_info().rss * 1.1
+        assert status == {
             "batch": 2, "max_batch": 3, "step_ms": 1.234, "engine_step_ms": 0.457,
             "kv_cache_used_bytes": 2 * 16 * 8, "kv_cache_bytes": 64 * 8,
             "kv_cache_used_tokens": 32, "kv_cache_tokens": 64,
