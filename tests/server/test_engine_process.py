@@ -13,6 +13,7 @@ import threading
 import time
 from functools import partial
 
+import psutil
 import pytest
 
 from engines.base import (
@@ -128,6 +129,11 @@ async def test_the_batch_and_kv_use_show_while_requests_run():
         assert await until(lambda: worker.runtime_status()["batch"] == 3)
         assert worker.runtime_status()["kv_cache_used_tokens"] > 0
         assert worker.status().running == 3
+        # The engine's memory is the child's resident set, not the server's.
+        child = worker.loop.pid
+        assert child is not None and child != os.getpid()
+        rss = worker.runtime_status()["process_rss_bytes"]
+        assert abs(rss - psutil.Process(child).memory_info().rss) < 0.1 * rss
         await asyncio.gather(*tasks)
     finally:
         await worker.aclose(10)
