@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -120,6 +122,9 @@ class BenchRun:
     headers: dict = field(default_factory=dict)  # what they send (an API key)
     gate: LoadGate = field(default_factory=LoadGate)  # keeps other requests out meanwhile
     gone: threading.Event = field(default_factory=threading.Event)
+    # Put in every load-mode prompt: a sweep run again on a server with the prefix cache on
+    # would otherwise prefill nothing of the prompts it sent the first time.
+    tag: str = field(default_factory=lambda: secrets.token_hex(3))
 
     async def events(self) -> AsyncIterator[dict]:
         records: list[core.RunRecord] = []
@@ -162,29 +167,39 @@ class BenchRun:
 
     async def _load_events(self, started: float) -> AsyncIterator[dict]:
         """The load mode: each engine in turn, each level of clients in turn, every client a
-        stream through this server (engines/bench/load.py), then a summary of the levels."""
+        stream through this server (engines/bench/load.py); then each reference, loaded for
+        the bench, on one batch of the same prompts per level; then a summary of the levels.
+        Other requests are kept out (429) until the references are done too: they would share
+        the machine with what is timed."""
         levels: list[dict] = []
         errors: dict[str, str] = {}
         headers = {**self.headers, HEADER: self.gate.open()}
         try:
-            for name in self.targets:
+            for name in list(self.targets):
+                async for event in self._engine_levels(name, headers):
+                    yield self._keep(event, levels, errors)
+                    if event["type"] == "error":
+                        break
+            for name in self.req.references:
+                if self.gone.is_set():
+                    break
+                event = await self._load_reference(name)
+                yield self._keep(event, levels, errors)
+                if event["type"] == "error":
+                    continue
                 for n in self.req.clients:
                     if self.gone.is_set():
                         break
                     try:
-                        level = await asyncio.to_thread(
-                            load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
-                            engine=name, procs=min(n, LOAD_PROCESSES),
-                            prompts=self._load_prompts(n), headers=headers)
-                    except Exception as exc:  # one failing engine must not lose the others
+                        level = await self._reference_level(name, n)
+                    except Exception as exc:  # one failing reference must not lose the rest
                         log.exception("bench load level on %s failed", name)
-                        errors[name] = f"{type(exc).__name__}: {exc}"
-                        yield _error(name, errors[name])
+                        yield self._keep(_error(name, f"{type(exc).__name__}: {exc}"), levels,
+                                         errors)
                         break
                     if self.gone.is_set():
                         break
-                    levels.append({"target": name, **level})
-                    yield {"type": "level", "target": name, **level}
+                    yield self._keep({"type": "level", "target": name, **level}, levels, errors)
         finally:
             self.gate.close()
         yield {
@@ -194,22 +209,64 @@ class BenchRun:
             "clients": list(self.req.clients), "max_tokens": self.req.max_tokens,
             "cancelled": self.gone.is_set(), "environment": environment(),
             "wall_s": round(time.time() - started, 3), "levels": levels,
-            "ratios": load_ratios(levels), "errors": errors,
+            "ratios": load_ratios(levels, [n for n, t in self.targets.items()
+                                           if t.kind == "engine"]),
+            "errors": errors,
             "targets": {name: {"info": t.info} for name, t in self.targets.items()},
         }
 
+    @staticmethod
+    def _keep(event: dict, levels: list[dict], errors: dict[str, str]) -> dict:
+        """Note a level or an error for the summary; the event goes on as it is."""
+        if event["type"] == "level":
+            levels.append({k: v for k, v in event.items() if k != "type"})
+        elif event["type"] == "error":
+            errors[event["target"]] = event["error"]["message"]
+        return event
+
+    async def _engine_levels(self, name: str, headers: dict) -> AsyncIterator[dict]:
+        for n in self.req.clients:
+            if self.gone.is_set():
+                return
+            try:
+                level = await asyncio.to_thread(
+                    load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
+                    engine=name, procs=min(n, LOAD_PROCESSES), prompts=self._load_prompts(n),
+                    headers=headers)
+            except Exception as exc:  # one failing engine must not lose the others
+                log.exception("bench load level on %s failed", name)
+                yield _error(name, f"{type(exc).__name__}: {exc}")
+                return
+            if self.gone.is_set():
+                return
+            yield {"type": "level", "target": name, **level}
+
+    async def _reference_level(self, name: str, n: int) -> dict:
+        """A reference's batch of the n prompts the engines' clients sent, tokenized as an
+        engine tokenized them."""
+        engine = next(t for t in self.targets.values() if t.kind == "engine").worker.engine
+        prompts = [core.BenchPrompt(f"client {i + 1}", text=p) if isinstance(p, str)
+                   else core.BenchPrompt(f"client {i + 1}", messages=tuple(p))
+                   for i, p in enumerate(self._load_prompts(n))]
+        ids = await asyncio.to_thread(_tokenize, engine, prompts)
+        reference = self.targets[name].reference
+        return await self.targets[name].worker.call(
+            "bench", lambda _engine, _stop: reference.run_level(ids, self.req.max_tokens),
+            bounded=False)
+
     def _load_prompts(self, n: int) -> list:
         """n prompts cycling over the bench's, each made distinct at its start (a client's own
-        line, its level's too): clients sharing a prompt would otherwise share its prefill
-        (the prefix cache), within a level and from one level to the next."""
+        line, its level's and its run's too): clients sharing a prompt would otherwise share
+        its prefill (the prefix cache), within a level, from one level to the next and from
+        one sweep to the next."""
         prompts = []
         for i in range(n):
             p = self.prompts[i % len(self.prompts)]
+            line = f"Client {i + 1} of {n}. Run {self.tag}."
             if p.messages is not None:
-                prompts.append([{"role": "system", "content": f"Client {i + 1} of {n}."},
-                                *p.messages])
+                prompts.append([{"role": "system", "content": line}, *p.messages])
             else:
-                prompts.append(f"Client {i + 1} of {n}. {p.text}")
+                prompts.append(f"{line} {p.text}")
         return prompts
 
     def _start_event(self) -> dict:
@@ -281,16 +338,20 @@ class BenchRun:
 
 
 # The load mode's client processes (at most; one per client below that): each sends its share
-# of a level's streams from one event loop.
-LOAD_PROCESSES = 4
+# of a level's streams from one event loop. Four on a small machine; half the cores on a big
+# one: on a 16-core H100 host four processes spent 2.5 cores' time on 64 clients' streams
+# (client_cpu_share), enough to slow what they measure.
+LOAD_PROCESSES = max(4, (os.cpu_count() or 8) // 2)
 
 
-def load_ratios(levels: list[dict]) -> dict[str, float]:
-    """Each engine's aggregate tok/s over every other's, level by level."""
+def load_ratios(levels: list[dict], engines: list[str] | None = None) -> dict[str, float]:
+    """Each engine's aggregate tok/s over every other target's (engine or reference), level by
+    level. engines: the targets that are engines (default: every target)."""
     by = {(lv["target"], lv["clients"]): lv["aggregate_tok_s"] for lv in levels}
-    names = sorted({t for t, _ in by})
+    names = list(dict.fromkeys(t for t, _ in by))
+    engines = names if engines is None else engines
     return {f"{a} / {b} @ {n}": round(by[(a, n)] / by[(b, n)], 3)
-            for a in names for b in names if a != b
+            for a in names if a in engines for b in names if a != b
             for (t, n) in list(by) if t == a and (b, n) in by and by[(b, n)] > 0}
 
 
@@ -319,9 +380,6 @@ class BenchService:
         if not self.settings.bench_enabled:
             raise bench_disabled()
         check_limits(req, self.settings)
-        if req.clients and req.references:
-            raise bad_request("references are not run in load mode yet", param="references",
-                              code="unsupported_parameter")
         if req.clients and url is None:
             raise bad_request("load mode needs the server's HTTP address (POST /bench)",
                               param="clients", code="unsupported_parameter")
@@ -353,6 +411,7 @@ class BenchService:
                 "name": name, "kind": "engine", "device": info.device,
                 "device_name": device_label(info.device), "dtype": info.dtype,
                 "backend_version": info.backend_version, "context_length": info.context_length,
+                "memory_measure": info.memory_measure,
             })
         return BenchRun(req, spec.id, lambda: resolve_model_dir(spec), spec.dtype,
                         spec.context_length, prompts, prompt_ids, targets, self.lock,

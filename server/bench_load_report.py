@@ -6,28 +6,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ["engine", "clients", "tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "peak batch",
-           "peak KV MiB", "sends spread ms"]
-COLOURS = {"torch": "#e4572e", "mlx": "#1f77b4"}
+COLUMNS = ["target", "clients", "tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "peak batch",
+           "peak KV MiB", "RSS peak Δ MiB", "own meter MiB", "sends spread ms"]
+COLOURS = {"torch": "#e4572e", "mlx": "#1f77b4", "transformers": "#7a7a7a", "mlx-lm": "#6a3d9a"}
 
 
-def cell(value, spec: str) -> str:
-    """A figure, or '-' where the level has none (no stream had two chunks, say)."""
-    return "-" if value is None else format(value, spec)
+def cell(value, spec: str, scale: float = 1.0) -> str:
+    """A figure, or '-' where the level has none (no stream had two chunks, say; a reference's
+    batch has no per-client latency)."""
+    return "-" if value is None else format(value if scale == 1.0 else value * scale, spec)
 
 
 def level_line(lv: dict) -> str:
     return (f"{lv['target']:<6} {lv['clients']:>3} clients: {lv['aggregate_tok_s']:,.1f} tok/s, "
             f"TTFT p50 {cell(lv['ttft_ms_p50'], '.0f')} ms, "
-            f"ITL p50 {cell(lv['itl_ms_p50'], '.1f')} ms, peak batch {lv['peak_batch']}")
+            f"ITL p50 {cell(lv['itl_ms_p50'], '.1f')} ms, peak batch {cell(lv['peak_batch'], 'd')}")
 
 
 def table_rows(summary: dict) -> list[list[str]]:
+    mib = 1 / 2**20
     return [[lv["target"], str(lv["clients"]), f"{lv['aggregate_tok_s']:,.1f}",
              f"{cell(lv['ttft_ms_p50'], '.0f')} / {cell(lv['ttft_ms_p99'], '.0f')}",
              f"{cell(lv['itl_ms_p50'], '.1f')} / {cell(lv['itl_ms_p99'], '.1f')}",
-             str(lv["peak_batch"]), f"{lv['peak_kv_used_bytes'] / 2**20:.1f}",
-             f"{lv['sent_spread_ms']:.0f}"]
+             cell(lv["peak_batch"], "d"), cell(lv["peak_kv_used_bytes"], ".1f", mib),
+             cell(lv.get("rss_peak_delta_bytes"), ".1f", mib),
+             cell(lv.get("engine_peak_memory_bytes") or None, ".0f", mib),
+             cell(lv["sent_spread_ms"], ".0f")]
             for lv in summary["levels"]]
 
 
@@ -43,7 +47,7 @@ def print_summary(summary: dict) -> None:
 
     table = Table(title=title(summary))
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "engine" else "right")
+        table.add_column(col, justify="left" if col == "target" else "right")
     for row in table_rows(summary):
         table.add_row(*row)
     console = Console(width=150)
@@ -63,7 +67,13 @@ def markdown(summary: dict, image: str | None = None, command: str | None = None
         f"{env['host']}. Versions: {', '.join(f'{k} {v}' for k, v in env['versions'].items())}. "
         f"Each level's clients stream at once through the server's HTTP API, "
         f"{summary['max_tokens']} new tokens each, greedy, end-of-sequence ignored; engines in "
-        f"turn.", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        f"turn; references: one batch of the same prompts per level. RSS peak Δ: the engine "
+        f"process's resident-set peak over the level (sampled) less what it held as the level "
+        f"began, the same measure for each engine; own meter: "
+        + "; ".join(f"{name} {t['info'].get('memory_measure') or '-'}"
+                    for name, t in summary["targets"].items()
+                    if t["info"].get("kind") == "engine") + ".",
+        "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]
     if summary["ratios"]:
         lines += ["", "Aggregate tok/s ratios: " + "; ".join(

@@ -55,7 +55,7 @@ async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
     await asyncio.sleep(max(0.0, start_at - time.time()))
     sent = time.time()
     chunks: list[float] = []
-    tokens = 0
+    tokens = prompt_tokens = 0
     server: dict = {}
     async with client.stream("POST", url + path, json=body) as resp:
         if resp.status_code != 200:
@@ -66,12 +66,14 @@ async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
             if '"usage"' in line and '"choices":[]' in line.replace(" ", ""):
                 last = json.loads(line[6:])
                 tokens = last["usage"]["completion_tokens"]
+                prompt_tokens = last["usage"]["prompt_tokens"]
                 server = last.get("metrics", {})
             elif not any(e in line.replace(" ", "") for e in _EMPTY_CHUNKS):
                 chunks.append(time.time())
-    return {"sent": sent, "chunks": chunks, "tokens": tokens,
+    return {"sent": sent, "chunks": chunks, "tokens": tokens, "prompt_tokens": prompt_tokens,
             "server_ttft_s": server.get("ttft_ms", 0) / 1000,
-            "server_queue_s": server.get("queue_ms", 0) / 1000}
+            "server_queue_s": server.get("queue_ms", 0) / 1000,
+            "peak_memory_bytes": server.get("peak_memory_bytes", 0)}
 
 
 def _client_process(url: str, bodies: list[dict], headers: dict, ready, go, start_at,
@@ -100,40 +102,57 @@ def _client_process(url: str, bodies: list[dict], headers: dict, ready, go, star
 
 
 class _HealthWatch:
-    """The peak batch and KV use /health shows while a level runs (polled every 0.2 s: more
-    often perturbs a small CPU's run)."""
+    """The peak batch, KV use and resident memory /health shows for the benchmarked engine
+    while a level runs (polled every 0.2 s: more often perturbs a small CPU's run). The memory
+    is the resident set of the process the engine runs in, the same measure for every engine
+    (their own meters differ: a CPU process's RSS, a CUDA or MLX allocator's peak); its first
+    sample is taken before the level starts."""
 
-    def __init__(self, url: str, headers: dict):
-        self.seen = {"batch": 0, "kv_used": 0}
+    def __init__(self, url: str, headers: dict, model: str | None = None,
+                 engine: str | None = None):
+        self.seen = {"batch": 0, "kv_used": 0, "rss_start": None, "rss_peak": None}
         self._url, self._headers = url, headers
+        self._model, self._engine = model, engine
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
+        self._poll()
+        self.seen["rss_start"] = self.seen["rss_peak"]
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(5)
+        self._poll()  # a last sample: the level's end is within its time
 
-    def _run(self) -> None:
+    def _mine(self, state: dict) -> bool:
+        return ((self._engine is None or state.get("engine") == self._engine)
+                and (self._model is None or state.get("model") == self._model))
+
+    def _poll(self) -> None:
         import httpx
 
         seen = self.seen
+        try:
+            state = httpx.get(self._url + "/health", timeout=2,
+                              headers=self._headers).json()["engines"]
+        except Exception:  # noqa: BLE001  a missed poll is a missed sample, no more
+            return
+        for e in filter(self._mine, state):
+            if e.get("batch", 0) >= seen["batch"]:
+                seen["step_ms"] = e.get("step_ms")
+                seen["engine_step_ms"] = e.get("engine_step_ms")
+            seen["batch"] = max(seen["batch"], e.get("batch", 0))
+            seen["kv_used"] = max(seen["kv_used"], e.get("kv_cache_used_bytes", 0))
+            seen["kv_size"] = e.get("kv_cache_bytes", 0)
+            if e.get("process_rss_bytes") is not None:
+                seen["rss_peak"] = max(seen["rss_peak"] or 0, e["process_rss_bytes"])
+
+    def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                state = httpx.get(self._url + "/health", timeout=2,
-                                  headers=self._headers).json()["engines"]
-                for e in state:
-                    if e.get("batch", 0) >= seen["batch"]:
-                        seen["step_ms"] = e.get("step_ms")
-                        seen["engine_step_ms"] = e.get("engine_step_ms")
-                    seen["batch"] = max(seen["batch"], e.get("batch", 0))
-                    seen["kv_used"] = max(seen["kv_used"], e.get("kv_cache_used_bytes", 0))
-                    seen["kv_size"] = e.get("kv_cache_bytes", 0)
-            except Exception:  # noqa: BLE001  a missed poll is a missed sample, no more
-                pass
+            self._poll()
             self._stop.wait(0.2)
 
 
@@ -169,7 +188,7 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
     try:
         for _ in workers:
             ready.get(timeout=ready_timeout_s)
-        with _HealthWatch(url, headers) as watch:
+        with _HealthWatch(url, headers, model, engine) as watch:
             start_at.value = time.time() + 0.05
             go.set()
             results, client_cpu = [], 0.0
@@ -189,6 +208,17 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
     return summarize_level(n, results, watch.seen, client_cpu)
 
 
+# Every figure of a level, in the order summarize_level gives them.
+LEVEL_KEYS = (
+    "clients", "tokens", "prompt_tokens_p50", "wall_s", "aggregate_tok_s", "per_client_decode_tok_s_p50",
+    "ttft_ms_p50", "ttft_ms_p99", "server_ttft_ms_p50", "server_ttft_ms_p99",
+    "server_queue_ms_p50", "sent_spread_ms", "client_cpu_share", "itl_ms_p50", "itl_ms_p99",
+    "peak_batch", "peak_kv_used_bytes", "rss_start_bytes", "rss_peak_bytes",
+    "rss_peak_delta_bytes", "engine_peak_memory_bytes", "kv_cache_bytes",
+    "step_ms_at_peak_batch", "engine_step_ms_at_peak_batch",
+)
+
+
 def summarize_level(n: int, results: list[dict], seen: dict, client_cpu_s: float) -> dict:
     first_sent = min(r["sent"] for r in results)
     last = max(r["chunks"][-1] if r["chunks"] else r["sent"] for r in results)
@@ -199,7 +229,9 @@ def summarize_level(n: int, results: list[dict], seen: dict, client_cpu_s: float
     decode = [(r["tokens"] - 1) / (r["chunks"][-1] - r["chunks"][0]) for r in results
               if r["tokens"] > 1 and len(r["chunks"]) > 1 and r["chunks"][-1] > r["chunks"][0]]
     return {
-        "clients": n, "tokens": tokens, "wall_s": round(wall, 3),
+        "clients": n, "tokens": tokens,
+        "prompt_tokens_p50": statistics.median(r.get("prompt_tokens", 0) for r in results),
+        "wall_s": round(wall, 3),
         "aggregate_tok_s": round(tokens / wall, 1),
         "per_client_decode_tok_s_p50": round(statistics.median(decode), 1) if decode else None,
         "ttft_ms_p50": ms(ttfts, 50), "ttft_ms_p99": ms(ttfts, 99),
@@ -216,7 +248,25 @@ def summarize_level(n: int, results: list[dict], seen: dict, client_cpu_s: float
         "itl_ms_p50": round(percentile(gaps, 50) * 1000, 2) if gaps else None,
         "itl_ms_p99": round(percentile(gaps, 99) * 1000, 2) if gaps else None,
         "peak_batch": seen["batch"], "peak_kv_used_bytes": seen["kv_used"],
+        # Memory, comparable across engines: the engine process's resident set, its peak over
+        # the level (sampled) less what it held as the level began. Beside it each engine's own
+        # meter, the largest any request reported (what it measures differs: see the target's
+        # memory_measure).
+        "rss_start_bytes": seen.get("rss_start"), "rss_peak_bytes": seen.get("rss_peak"),
+        "rss_peak_delta_bytes": (seen["rss_peak"] - seen["rss_start"]
+                                 if seen.get("rss_start") is not None
+                                 and seen.get("rss_peak") is not None else None),
+        "engine_peak_memory_bytes": max((r.get("peak_memory_bytes", 0) for r in results),
+                                        default=0),
         "kv_cache_bytes": seen.get("kv_size", 0),
         "step_ms_at_peak_batch": seen.get("step_ms"),
         "engine_step_ms_at_peak_batch": seen.get("engine_step_ms"),
     }
+
+
+def reference_level(n: int, tokens: int, seconds: float) -> dict:
+    """A reference's level (one batch of the same prompts, no HTTP) in a server level's shape:
+    what it has no counterpart for (latencies, the server's batch and memory) is None."""
+    figures = dict.fromkeys(LEVEL_KEYS)
+    return {**figures, "clients": n, "tokens": tokens, "wall_s": round(seconds, 3),
+            "aggregate_tok_s": round(tokens / max(seconds, 1e-9), 1)}

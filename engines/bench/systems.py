@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .core import Measurement, PlannedRun, RunRecord, TargetKind, engine_run
+from .load import reference_level
 from .report import versions
 
 
@@ -106,13 +107,13 @@ class HFGenerate:
             # cache is static: the documented transformers recipe.
             self.model.generation_config.cache_implementation = "static"
 
-    def _generate(self, ids, n: int) -> float:
+    def _generate(self, ids, n: int, attention_mask=None) -> float:
         from ..device import synchronize
 
         synchronize(self.device)
         start = time.perf_counter()
-        self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            pad_token_id=0)
+        self.model.generate(ids, attention_mask=attention_mask, max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=0)
         synchronize(self.device)
         return time.perf_counter() - start
 
@@ -127,12 +128,29 @@ class HFGenerate:
         return Measurement(ttft, len(prompt) / ttft, (new_tokens - 1) / max(total - ttft, 1e-9), peak)
 
     def run_batch(self, prompts: list[list[int]], new_tokens: int) -> float:
-        """Seconds for one generate() over the batch (equal-length prompts), prefill included."""
-        return self._generate(self.torch.tensor(prompts, device=self.device), new_tokens)
+        """Seconds for one generate() over the batch, prefill included. Prompts of unequal
+        lengths are padded on the left under an attention mask, as transformers documents for
+        batched generation with a decoder-only model."""
+        torch = self.torch
+        if len(set(map(len, prompts))) == 1:
+            return self._generate(torch.tensor(prompts, device=self.device), new_tokens)
+        ids, mask = pad_left(prompts)
+        return self._generate(torch.tensor(ids, device=self.device), new_tokens,
+                              attention_mask=torch.tensor(mask, device=self.device))
 
     def teardown(self) -> None:
         self.model = None
         free_torch()
+
+
+def pad_left(prompts: Sequence[Sequence[int]], pad: int = 0) -> tuple[list[list[int]],
+                                                                     list[list[int]]]:
+    """Token ids padded on the left to the longest prompt, and the attention mask that hides
+    the padding: how a decoder-only model generates for prompts of unequal lengths."""
+    longest = max(map(len, prompts))
+    ids = [[pad] * (longest - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (longest - len(p)) + [1] * len(p) for p in prompts]
+    return ids, mask
 
 
 class HFStaticCompile(HFGenerate):
@@ -304,6 +322,14 @@ class ReferenceTarget:
             max_tokens, m.ttft_s, m.prefill_tokens_per_s, m.decode_tokens_per_s,
             int(m.peak_memory_bytes), None, time.perf_counter() - start,
         )
+
+    def run_level(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """The load mode's figure for this reference: one batch of every client's prompt, each
+        given max_tokens (prefill included, as the server's aggregate includes it), after an
+        unmeasured batch of the same size (compiled kernels, allocator growth)."""
+        self.system.run_batch(prompts, min(max_tokens, 8))
+        seconds = self.system.run_batch(prompts, max_tokens)
+        return reference_level(len(prompts), len(prompts) * max_tokens, seconds)
 
     def close(self) -> None:
         """Free the reference's model (the server calls this on the reference's thread)."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engines.base import Cancelled
-from engines.bench import core, report, systems
+from engines.bench import core, load, report, systems
 from engines.fake import FakeEngine
 
 
@@ -97,6 +97,54 @@ def test_reference_runs_on_a_tiny_model(tiny_dirs, name):
     ref.close()
 
 
+@pytest.mark.parametrize("name", ["transformers", "mlx-lm"])
+def test_reference_level_batches_prompts_of_unequal_lengths(tiny_dirs, name):
+    """The load mode's reference figure: one batch of every client's prompt (their lengths
+    differ, as tokenized texts do), each given all of max_tokens."""
+    if name == "mlx-lm":
+        pytest.importorskip("mlx_lm")
+    path, _ = tiny_dirs["llama"]
+    ref = systems.ReferenceTarget(name, device="cpu")
+    ref.setup(path, "float32", 128)
+    level = ref.run_level([[5, 70, 80], [9, 8, 7, 6, 5, 4, 3], [40]], 5)
+    ref.close()
+    assert tuple(level) == load.LEVEL_KEYS
+    assert level["clients"] == 3 and level["tokens"] == 15
+    wall = level["wall_s"]  # rounded to the millisecond
+    assert 15 / (wall + 5e-4) - 0.1 <= level["aggregate_tok_s"] <= 15 / (wall - 5e-4) + 0.1
+    assert level["ttft_ms_p50"] is None and level["peak_batch"] is None  # no counterpart
+
+
+def test_left_padding_gives_each_prompt_what_it_gets_alone(tiny_dirs):
+    """transformers' batched generate() over pad_left's ids and mask: each row's greedy tokens
+    are the ones its prompt gets alone (float32), so a reference's batch of unequal prompts
+    does the work the clients' requests do."""
+    import torch
+
+    _, model = tiny_dirs["llama"]
+    prompts = [[5, 70, 80, 90, 33], [9, 8], [40, 41, 42]]
+    ids, mask = systems.pad_left(prompts)
+    assert ids[1] == [0, 0, 0, 9, 8] and mask[1] == [0, 0, 0, 1, 1]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batch = model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), **kw)
+        for row, prompt in zip(batch, prompts):
+            alone = model.generate(torch.tensor([prompt]), **kw)[0, len(prompt):]
+            assert row[-6:].tolist() == alone.tolist()
+
+
+def test_a_server_level_has_every_figure_a_reference_level_has():
+    result = {"sent": 0.0, "chunks": [0.1, 0.2, 0.3], "tokens": 3, "server_ttft_s": 0.05,
+              "server_queue_s": 0.0, "peak_memory_bytes": 7}
+    seen = {"batch": 1, "kv_used": 10, "rss_start": 100, "rss_peak": 150}
+    level = load.summarize_level(1, [result], seen, 0.01)
+    assert tuple(level) == load.LEVEL_KEYS
+    assert level["rss_peak_delta_bytes"] == 50 and level["engine_peak_memory_bytes"] == 7
+    no_rss = load.summarize_level(1, [result], {"batch": 1, "kv_used": 0}, 0.01)
+    assert no_rss["rss_peak_delta_bytes"] is None  # not measured is not zero
+    assert tuple(load.reference_level(2, 10, 1.0)) == load.LEVEL_KEYS
+
+
 def test_device_label_names_the_hardware():
     assert "CPU" in report.device_label("cpu")
     assert "GPU" in report.device_label("metal")
@@ -115,9 +163,10 @@ def test_marked_section_replaces_only_its_own_block(tmp_path):
 
 
 def test_bench_modules_import_one_way_and_no_backend_at_import():
-    """core and report import neither of the other two; systems may import both. Backends are
-    imported inside functions only, so importing the package needs none of them."""
-    allowed = {"core": set(), "report": {"core"}, "systems": {"core", "report"}}
+    """core and load import no sibling, report only core; systems may import all three.
+    Backends are imported inside functions only, so importing the package needs none of them."""
+    allowed = {"core": set(), "load": set(), "report": {"core"},
+               "systems": {"core", "load", "report"}}
     package = Path(systems.__file__).parent
     for name, may in allowed.items():
         tree = ast.parse((package / f"{name}.py").read_text())
