@@ -1,4 +1,5 @@
-// The /bench page: a form, a POST /bench stream read with fetch, and three small SVG charts.
+// The /bench page: a form, a POST /bench stream read with fetch, and small SVG charts: each
+// run's figures, or (under load) each level's against the number of clients.
 // No libraries: the page must work offline, served by duet itself.
 "use strict";
 
@@ -9,7 +10,8 @@ const MiB = 1024 * 1024;
 
 // Everything the page knows about the current run; the headless test reads it too.
 const state = window.benchState = {
-  running: false, events: [], targets: [], series: {}, summary: null, error: null,
+  running: false, mode: "runs", events: [], targets: [], series: {}, levels: [], clients: [],
+  summary: null, error: null,
 };
 
 const $ = (id) => document.getElementById(id);
@@ -48,19 +50,29 @@ async function loadModels() {
   showEngines();
 }
 
+function showMode() {
+  const load = $("mode").value === "load";
+  document.querySelectorAll(".runs-only").forEach((n) => { n.hidden = load; });
+  document.querySelectorAll(".load-only").forEach((n) => { n.hidden = !load; });
+}
+
+function clientLevels() {
+  return $("clients").value.split(",").map((c) => c.trim()).filter(Boolean).map(Number);
+}
+
 function requestBody() {
   const checked = (name) => [...document.querySelectorAll(`input[name=${name}]:checked`)]
     .map((i) => i.value);
-  return {
+  const body = {
     model: $("model").value || undefined,
     engines: checked("engine"),
     references: checked("reference"),
     preset: $("preset").value,
     max_tokens: Number($("max_tokens").value),
-    repeats: Number($("repeats").value),
-    warmup: Number($("warmup").value),
     stream: true,
   };
+  if (state.mode === "load") return { ...body, clients: clientLevels() };
+  return { ...body, repeats: Number($("repeats").value), warmup: Number($("warmup").value) };
 }
 
 // ------------------------------------------------------------------ the stream
@@ -69,9 +81,11 @@ let controller = null;
 async function start(event) {
   event.preventDefault();
   if (state.running) return;
+  state.mode = $("mode").value;
   reset();
   state.running = true;
   $("start").disabled = true;
+  $("download").disabled = true;
   $("stop").disabled = false;
   setStatus("Loading engines and tokenizing prompts…");
   controller = new AbortController();
@@ -93,6 +107,7 @@ async function start(event) {
     state.running = false;
     $("start").disabled = false;
     $("stop").disabled = true;
+    $("download").disabled = !state.summary;
   }
 }
 
@@ -119,10 +134,15 @@ async function readEvents(stream, onEvent) {
 }
 
 function reset() {
-  Object.assign(state, { events: [], targets: [], series: {}, summary: null, error: null,
+  const load = state.mode === "load";
+  Object.assign(state, { events: [], targets: [], series: {}, levels: [],
+                         clients: load ? clientLevels() : [], summary: null, error: null,
                          environment: null });
   $("summary").hidden = true;
+  $("load-summary").hidden = true;
   $("environment").hidden = true;
+  $("charts").hidden = load;
+  $("load-charts").hidden = !load;
   drawAll();
 }
 
@@ -137,10 +157,22 @@ function handle(ev) {
   if (ev.type === "start") {
     state.environment = ev.environment;
     ev.targets.forEach(addTarget);
-    state.planned = (ev.warmup + ev.repeats * ev.prompts.length) *
-      (ev.targets.length + ev.references.length);
-    setStatus(`Running ${ev.model}: ${ev.prompts.length} prompts × ${ev.repeats} repeats, ` +
-              `${ev.max_tokens} tokens each…`);
+    const targets = ev.targets.length + ev.references.length;
+    if (state.mode === "load") {
+      state.planned = state.clients.length * targets;
+      setStatus(`Running ${ev.model} under load: ${state.clients.join(", ")} clients, ` +
+                `${ev.max_tokens} tokens each…`);
+    } else {
+      state.planned = (ev.warmup + ev.repeats * ev.prompts.length) * targets;
+      setStatus(`Running ${ev.model}: ${ev.prompts.length} prompts × ${ev.repeats} repeats, ` +
+                `${ev.max_tokens} tokens each…`);
+    }
+  } else if (ev.type === "level") {
+    state.levels.push(ev);
+    setStatus(`Level ${state.levels.length} of ${state.planned} finished (${ev.target}, ` +
+              `${ev.clients} clients: ${fmt(ev.aggregate_tok_s)} tok/s).`);
+    showLevels();
+    drawAll();
   } else if (ev.type === "target") {
     addTarget(ev);
   } else if (ev.type === "run") {
@@ -159,7 +191,8 @@ function handle(ev) {
     setStatus(`${ev.target}: ${ev.error.message}`, true);
   } else if (ev.type === "summary") {
     state.summary = ev;
-    showSummary(ev);
+    if (ev.mode === "load") showLoadRatios(ev);
+    else showSummary(ev);
     setStatus(`Done in ${ev.wall_s.toFixed(1)} s${ev.cancelled ? " (stopped early)" : ""}.`);
   }
 }
@@ -179,7 +212,8 @@ function showEnvironment() {
   $("environment").hidden = false;
   const body = $("targets-table").tBodies[0];
   body.replaceChildren(...state.targets.map((t) =>
-    row([t.name, t.device_name || t.device, t.dtype, t.backend_version])));
+    row([t.name, t.device_name || t.device, t.dtype, t.backend_version,
+         t.memory_measure || "–"])));
   const env = state.environment;
   if (env) {
     $("versions").textContent = `${env.host}. ` +
@@ -204,6 +238,39 @@ function showSummary(sum) {
       `${fmt(r.peak_memory_bytes, 2)}×`;
     return li;
   }));
+}
+
+const mib = (bytes, d = 1) => (bytes === null || bytes === undefined ? "–" : fmt(bytes / MiB, d));
+const pair2 = (a, b, d = 0) => `${fmt(a ?? NaN, d)} / ${fmt(b ?? NaN, d)}`;
+
+function showLevels() {
+  $("load-summary").hidden = false;
+  $("load-table").tBodies[0].replaceChildren(...state.levels.map((lv) => row([
+    lv.target, lv.clients, fmt(lv.aggregate_tok_s), pair2(lv.ttft_ms_p50, lv.ttft_ms_p99),
+    pair2(lv.itl_ms_p50, lv.itl_ms_p99, 1), fmt(lv.server_queue_ms_p50 ?? NaN, 0),
+    lv.peak_batch ?? "–", mib(lv.peak_kv_used_bytes), mib(lv.rss_peak_delta_bytes),
+    lv.engine_peak_memory_bytes ? mib(lv.engine_peak_memory_bytes, 0) : "–"])));
+}
+
+function showLoadRatios(sum) {
+  $("load-ratios").replaceChildren(...Object.entries(sum.ratios).map(([k, r]) => {
+    const li = document.createElement("li");
+    li.textContent = `${k} clients: ${fmt(r, 2)}× aggregate tokens/s`;
+    return li;
+  }));
+}
+
+// Save the last run's summary (every level or run, the targets and where they ran) as JSON.
+function download() {
+  if (!state.summary) return;
+  const blob = new Blob([JSON.stringify(state.summary, null, 2)], { type: "application/json" });
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = `duet-bench-${state.summary.mode || "runs"}-${state.summary.date}.json`;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
 }
 
 // ------------------------------------------------------------------ charts
@@ -298,7 +365,48 @@ function memoryChart(svg) {
   legend(svg, names);
 }
 
+// A chart against the sweep's levels (evenly spaced, as client counts usually grow by
+// factors): lines = [{name, key, dash}], a point per level that has the figure.
+function levelChart(svg, lines) {
+  svg.replaceChildren();
+  const levels = state.clients.length ? state.clients : [1];
+  const names = [...new Set(state.levels.map((lv) => lv.target))];
+  const value = (lv, key) => (lv[key] === null || lv[key] === undefined ? null : lv[key]);
+  const all = lines.flatMap(({ key, scale = 1 }) =>
+    state.levels.map((lv) => value(lv, key)).filter((v) => v !== null).map((v) => v * scale));
+  const yMax = niceMax(Math.max(0, ...all) * 1.1);
+  const plotW = BOX.w - BOX.left - BOX.right, plotH = BOX.h - BOX.top - BOX.bottom;
+  const xAt = (i) => BOX.left + (levels.length === 1 ? plotW / 2
+                                                     : (plotW * i) / (levels.length - 1));
+  const yAt = (v) => BOX.top + plotH * (1 - Math.max(0, v) / yMax);
+  axes(svg, yMax, levels.map((n, i) => [xAt(i), `${n}`]));
+  for (const name of names) {
+    for (const { key, dash, scale = 1 } of lines) {
+      const points = state.levels
+        .filter((lv) => lv.target === name && value(lv, key) !== null)
+        .map((lv) => [xAt(levels.indexOf(lv.clients)), yAt(value(lv, key) * scale)]);
+      const g = el("g", { class: "series", "data-target": name, "data-key": key,
+                          "data-points": points.length });
+      if (points.length > 1) {
+        g.append(el("polyline", { points: points.map((p) => p.join(",")).join(" "),
+                                  fill: "none", stroke: colour(name), "stroke-width": 2,
+                                  ...(dash ? { "stroke-dasharray": "5 4" } : {}) }));
+      }
+      points.forEach(([x, y]) => g.append(el("circle", { cx: x, cy: y, r: 3.5,
+                                                         fill: colour(name) })));
+      svg.append(g);
+    }
+  }
+  legend(svg, names);
+}
+
 function drawAll() {
+  if (state.mode === "load") {
+    levelChart($("chart-load-tps"), [{ key: "aggregate_tok_s" }]);
+    levelChart($("chart-load-latency"), [{ key: "ttft_ms_p50" }, { key: "itl_ms_p50", dash: true }]);
+    levelChart($("chart-load-memory"), [{ key: "rss_peak_delta_bytes", scale: 1 / MiB }]);
+    return;
+  }
   lineChart($("chart-decode"), "decode");
   lineChart($("chart-ttft"), "ttft");
   memoryChart($("chart-memory"));
@@ -306,6 +414,9 @@ function drawAll() {
 
 $("bench-form").addEventListener("submit", start);
 $("stop").addEventListener("click", () => controller && controller.abort());
+$("download").addEventListener("click", download);
+$("mode").addEventListener("change", showMode);
+showMode();
 drawAll();
 loadModels().then(() => { state.ready = true; })
   .catch((err) => setStatus(`Could not list models: ${err.message}`, true));

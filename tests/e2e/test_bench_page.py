@@ -83,6 +83,62 @@ def test_page_runs_both_engines_and_charts_them(server, browser):
     assert browser.save_screenshot(str(ARTIFACTS / "bench-page.png"))
 
 
+def test_page_sweeps_two_levels_of_clients_on_both_engines(server, browser, tmp_path):
+    """Under load: the page asks for 1 and 2 clients at once on each engine, draws each level
+    as it comes (tokens/s, latency and memory against clients, a line per engine), fills the
+    levels' table, names each engine's memory figure, and offers the summary as JSON."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser.execute_cdp_cmd("Page.setDownloadBehavior",
+                            {"behavior": "allow", "downloadPath": str(tmp_path)})
+    browser.get(server.url + "/bench")
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return window.benchState.ready"))
+    clients = browser.find_element(By.ID, "clients")
+    assert not clients.is_displayed() and browser.find_element(By.ID, "repeats").is_displayed()
+    Select(browser.find_element(By.ID, "mode")).select_by_value("load")
+    assert clients.is_displayed() and not browser.find_element(By.ID, "repeats").is_displayed()
+    clients.clear()
+    clients.send_keys("1, 2")
+    browser.execute_script("document.getElementById('max_tokens').value = 8;")
+    browser.find_element(By.ID, "start").click()
+    # The first level is drawn before the sweep ends.
+    WebDriverWait(browser, 300).until(lambda d: d.execute_script(
+        "return window.benchState.levels.length > 0 && !window.benchState.summary"))
+    assert browser.find_element(By.CSS_SELECTOR,
+                                "#chart-load-tps g.series[data-target='torch']")
+    WebDriverWait(browser, 600).until(lambda d: d.execute_script("return window.benchState.summary"))
+    state = browser.execute_script("return window.benchState")
+    assert state["error"] is None and state["summary"]["mode"] == "load"
+    assert [(lv["target"], lv["clients"]) for lv in state["levels"]] == [
+        ("torch", 1), ("torch", 2), ("mlx", 1), ("mlx", 2)]
+    assert not browser.find_element(By.ID, "chart-decode").is_displayed()
+    for name in ("torch", "mlx"):
+        for chart, key in (("chart-load-tps", "aggregate_tok_s"),
+                           ("chart-load-latency", "ttft_ms_p50"),
+                           ("chart-load-latency", "itl_ms_p50"),
+                           ("chart-load-memory", "rss_peak_delta_bytes")):
+            group = browser.find_element(
+                By.CSS_SELECTOR, f"#{chart} g.series[data-target='{name}'][data-key='{key}']")
+            assert group.get_attribute("data-points") == "2", (chart, key, name)
+            assert len(group.find_elements(By.TAG_NAME, "polyline")) == 1
+    rows = [[td.text for td in r.find_elements(By.TAG_NAME, "td")]
+            for r in browser.find_elements(By.CSS_SELECTOR, "#load-table tbody tr")]
+    assert [r[:2] for r in rows] == [["torch", "1"], ["torch", "2"], ["mlx", "1"], ["mlx", "2"]]
+    assert all(float(r[2].replace(",", "")) > 0 for r in rows)
+    assert "torch / mlx @ 2 clients" in browser.find_element(By.ID, "load-ratios").text
+    where = browser.find_element(By.ID, "targets-table").text
+    assert "process RSS" in where and "MLX allocator peak" in where
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "bench-page-load.png"))
+    browser.find_element(By.ID, "download").click()
+    WebDriverWait(browser, 30).until(lambda d: list(tmp_path.glob("duet-bench-load-*.json")))
+    import json
+
+    saved = json.loads(next(tmp_path.glob("duet-bench-load-*.json")).read_text())
+    assert saved["levels"] == state["summary"]["levels"]
+
+
 def test_post_bench_with_references_on_the_real_model(server):
     body = {"model": MODEL, "prompts": ["The capital of France is"], "max_tokens": 8,
             "repeats": 2, "warmup": 0, "references": ["transformers", "mlx-lm"]}
