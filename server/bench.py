@@ -62,7 +62,8 @@ class BenchRequest(BaseModel):
     clients: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, min_length=1, max_length=8,
         description="load mode: for each count, that many clients stream at once through this "
-                    "server's HTTP API (each engine in turn); replaces repeats and warmup")
+                    "server's HTTP API (each engine in turn), after `warmup` short unmeasured "
+                    "rounds of as many clients; replaces repeats")
     stream: bool = False
 
     @field_validator("engines", "references", "clients")
@@ -229,6 +230,19 @@ class BenchRun:
             if self.gone.is_set():
                 return
             try:
+                # Unmeasured rounds first, of prompts of their own (the prefix cache would
+                # hand the measured ones their prefill): a batch size's first steps meet
+                # lazy set-up (an H100's first 16-client level after a start: 6,056 tok/s
+                # against 8,900 once warm), as the references' warm-up batch does.
+                for i in range(self.req.warmup):
+                    yield {"type": "warmup", "target": name, "clients": n}
+                    await asyncio.to_thread(
+                        load.run_level, self.url, self.model, n, 0,
+                        min(self.req.max_tokens, WARMUP_TOKENS), engine=name,
+                        procs=min(n, LOAD_PROCESSES),
+                        prompts=self._load_prompts(n, f"warm-up {i + 1}"), headers=headers)
+                    if self.gone.is_set():
+                        return
                 level = await asyncio.to_thread(
                     load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
                     engine=name, procs=min(n, LOAD_PROCESSES), prompts=self._load_prompts(n),
@@ -254,7 +268,7 @@ class BenchRun:
             "bench", lambda _engine, _stop: reference.run_level(ids, self.req.max_tokens),
             bounded=False)
 
-    def _load_prompts(self, n: int) -> list:
+    def _load_prompts(self, n: int, round_: str = "") -> list:
         """n prompts cycling over the bench's, each made distinct at its start (a client's own
         line, its level's and its run's too): clients sharing a prompt would otherwise share
         its prefill (the prefix cache), within a level, from one level to the next and from
@@ -262,7 +276,7 @@ class BenchRun:
         prompts = []
         for i in range(n):
             p = self.prompts[i % len(self.prompts)]
-            line = f"Client {i + 1} of {n}. Run {self.tag}."
+            line = f"Client {i + 1} of {n}. Run {self.tag}{', ' + round_ if round_ else ''}."
             if p.messages is not None:
                 prompts.append([{"role": "system", "content": line}, *p.messages])
             else:
@@ -342,6 +356,8 @@ class BenchRun:
 # one: on a 16-core H100 host four processes spent 2.5 cores' time on 64 clients' streams
 # (client_cpu_share), enough to slow what they measure.
 LOAD_PROCESSES = max(4, (os.cpu_count() or 8) // 2)
+# A warm-up round's tokens a stream (at most: max_tokens if fewer).
+WARMUP_TOKENS = 8
 
 
 def load_ratios(levels: list[dict], engines: list[str] | None = None) -> dict[str, float]:

@@ -117,6 +117,12 @@ class _HealthWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
+        import httpx
+
+        # One client for every poll: httpx.get() builds a TLS context each call (29 ms of CPU
+        # on this 2-core machine), which, five times a second inside the server (POST /bench),
+        # took the GIL from its event loop and cost the load mode 10% of what it measured.
+        self._client = httpx.Client(timeout=2, headers=self._headers)
         self._poll()
         self.seen["rss_start"] = self.seen["rss_peak"]
         self._thread.start()
@@ -126,18 +132,16 @@ class _HealthWatch:
         self._stop.set()
         self._thread.join(5)
         self._poll()  # a last sample: the level's end is within its time
+        self._client.close()
 
     def _mine(self, state: dict) -> bool:
         return ((self._engine is None or state.get("engine") == self._engine)
                 and (self._model is None or state.get("model") == self._model))
 
     def _poll(self) -> None:
-        import httpx
-
         seen = self.seen
         try:
-            state = httpx.get(self._url + "/health", timeout=2,
-                              headers=self._headers).json()["engines"]
+            state = self._client.get(self._url + "/health").json()["engines"]
         except Exception:  # noqa: BLE001  a missed poll is a missed sample, no more
             return
         for e in filter(self._mine, state):

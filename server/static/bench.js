@@ -167,6 +167,8 @@ function handle(ev) {
       setStatus(`Running ${ev.model}: ${ev.prompts.length} prompts × ${ev.repeats} repeats, ` +
                 `${ev.max_tokens} tokens each…`);
     }
+  } else if (ev.type === "warmup") {
+    setStatus(`Warming up ${ev.target} at ${ev.clients} clients (not measured)…`);
   } else if (ev.type === "level") {
     state.levels.push(ev);
     setStatus(`Level ${state.levels.length} of ${state.planned} finished (${ev.target}, ` +

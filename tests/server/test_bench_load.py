@@ -37,11 +37,15 @@ def test_each_level_of_clients_streams_at_once_on_each_engine(live):
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
         assert 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
         assert lv["peak_batch"] <= lv["clients"] and lv["client_cpu_share"] >= 0
-    # Every client's request reached the engine asked for, each prompt its own.
+    # Every client's request reached the engine asked for, each prompt its own; each level
+    # came after a warm-up round of as many clients, on prompts of their own.
+    assert [(e["target"], e["clients"]) for e in events if e["type"] == "warmup"] == [
+        ("torch", 1), ("torch", 3), ("mlx", 1), ("mlx", 3)]
     for name in ("torch", "mlx"):
         prompts = [bytes(p).decode(errors="replace") for p in factory.engines[name].calls]
         clients = [p for p in prompts if "Client " in p]
-        assert len(clients) == 4 and len(set(clients)) == 4
+        warm = [p for p in clients if "warm-up 1." in p]
+        assert len(clients) == 8 and len(set(clients)) == 8 and len(warm) == 4
     summary = events[-1]
     assert summary["type"] == "summary" and summary["mode"] == "load"
     assert summary["clients"] == [1, 3] and len(summary["levels"]) == 4
@@ -54,7 +58,8 @@ def test_a_sweep_run_again_sends_prompts_of_its_own(live):
     """With the prefix cache on, a second sweep sending the first one's prompts would prefill
     nothing: each run's prompts carry a tag of its own."""
     server, factory = live
-    body = {"model": "tiny", "clients": [2], "max_tokens": 2, "engines": ["torch"]}
+    body = {"model": "tiny", "clients": [2], "max_tokens": 2, "engines": ["torch"],
+            "warmup": 0}
     with httpx.Client(base_url=server.url, timeout=120) as client:
         for _ in range(2):
             assert client.post("/bench", json=body).status_code == 200
