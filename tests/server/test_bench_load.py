@@ -77,6 +77,15 @@ def test_load_mode_limits_and_refusals(live):
         assert resp.status_code == 400
         resp = client.post("/bench", json={"model": "tiny", "clients": [0]})
         assert resp.status_code == 400
+        # A reference that cannot load (this fake model has no files) is the summary's error;
+        # the engine's levels stand, and the server takes other requests again.
+        body = client.post("/bench", json={"model": "tiny", "clients": [1], "max_tokens": 2,
+                                           "engines": ["torch"],
+                                           "references": ["transformers"]}).json()
+        assert [lv["target"] for lv in body["levels"]] == ["torch"]
+        assert "does not exist" in body["errors"]["transformers"]
+        assert client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                    "max_tokens": 2}).status_code == 200
         # A plain JSON answer: the summary of the levels, no per-run list.
         body = client.post("/bench", json={"model": "tiny", "clients": [2], "max_tokens": 3,
                                            "engines": ["torch"]}).json()
