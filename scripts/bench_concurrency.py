@@ -303,10 +303,15 @@ def main() -> int:
               f"{r['itl_ms_p99']:.1f} | {r['peak_batch']} | "
               f"{r['peak_kv_used_bytes'] / 2**20:.0f} |{refs}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, result)
     return 0
+
+
+def write_result(out: str | Path, result: dict) -> None:
+    """A benchmark's JSON under docs/bench/ (or wherever --out says), its folder made."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_concurrency import prompts_for, run_level, start_server  # noqa: E402
+from bench_concurrency import prompts_for, run_level, start_server, write_result  # noqa: E402
 
 _ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                          "score": {"type": "integer"}},
@@ -191,9 +191,7 @@ def main() -> int:
                   "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                   "repeats": args.repeats, "server": info.get("engines"), "rows": rows,
                   "command": " ".join(sys.argv)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, result)
     return 0
 
 

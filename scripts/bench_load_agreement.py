@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_concurrency import run_level, start_server  # noqa: E402
+from bench_concurrency import run_level, start_server, write_result  # noqa: E402
 
 
 def post_bench(url: str, body: dict) -> dict:
@@ -113,9 +112,7 @@ def main() -> int:
                   "bench_levels": bench_runs, "script_levels": script_runs,
                   "bench_median_tok_s": bench_med, "script_median_tok_s": script_med,
                   "ratio": round(ratio, 3), "sweep": sweep}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, result)
     return 0
 
 
