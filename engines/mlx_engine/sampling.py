@@ -76,24 +76,74 @@ def token_logprobs(logprobs: mx.array, token: int, k: int) -> TokenLogprobs:
 
 def make_processor(processing: Processing, prompt_tokens: int) -> Callable:
     """mlx-lm's per-row logits processor for a row's processing (engines/processing.py): called
-    with the row's tokens so far (prompt, then completion) and its logits [1, V]."""
+    with the row's tokens so far (prompt, then completion; one more each step) and its logits
+    [1, V]. Its state follows the row on the device: which tokens the repetition penalty
+    touches and how often each completion token came, updated with each step's new tokens
+    only, and the bias as one vector. Nothing is read back to the host for the penalties (a
+    grammar reads the new tokens), so a step's cost does not grow with the row's length and
+    the generator's next step is queued before this one's tokens are known."""
+    return _RowProcessor(processing, prompt_tokens)
 
-    def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        history = tokens.tolist() if processing.needs_history else []
-        prompt, generated = history[:prompt_tokens], history[prompt_tokens:]
+
+class _RowProcessor:
+    def __init__(self, processing: Processing, prompt_tokens: int):
+        self.processing = processing
+        self.prompt_tokens = prompt_tokens
+        self.consumed = 0  # tokens of the row's context already counted
+        self.generated: list[int] = []  # the completion so far, for a grammar only
+        self.seen: mx.array | None = None  # [V] 1 where the repetition penalty applies
+        self.counts: mx.array | None = None  # [V] how often each completion token came
+        self.bias: mx.array | None = None  # [V] logit_bias
+        self.ready = False  # the vectors are made on the first call, which knows V
+
+    def _vectors(self, vocab: int) -> None:
+        p = self.processing
+        if p.repetition_penalty != 1.0:
+            self.seen = mx.zeros((vocab,), dtype=mx.uint8)
+        if p.presence_penalty or p.frequency_penalty:
+            self.counts = mx.zeros((vocab,), dtype=mx.int32)
+        if p.logit_bias:
+            bias = [0.0] * vocab
+            for token, value in p.logit_bias:
+                if 0 <= token < vocab:
+                    bias[token] += value
+            self.bias = mx.array(bias, dtype=mx.float32)
+
+    def _take(self, tokens: mx.array) -> None:
+        """Count the tokens the context gained since the last call."""
+        end = tokens.shape[-1]
+        if end <= self.consumed:
+            return
+        new = tokens.reshape(-1)[self.consumed:end]
+        first_generated = max(0, self.prompt_tokens - self.consumed)
+        if self.seen is not None:
+            self.seen = self.seen.at[new].maximum(mx.array(1, dtype=mx.uint8))
+        if first_generated < new.size:
+            completion = new[first_generated:]
+            if self.counts is not None:
+                self.counts = self.counts.at[completion].add(1)
+            if self.processing.grammar is not None:
+                self.generated.extend(completion.tolist())
+        self.consumed = end
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        p = self.processing
         x = logits.astype(mx.float32)
-        seen = processing.repeated(prompt, generated)
-        if seen:
-            ids = mx.array(seen)
-            values = x[:, ids]
-            penalty = processing.repetition_penalty
-            x[:, ids] = mx.where(values > 0, values / penalty, values * penalty)
-        added = processing.additions(generated)
-        if added:
-            x = x.at[:, mx.array(list(added))].add(mx.array(list(added.values()))[None, :])
-        if processing.grammar is not None:
-            allowed = mx.array(processing.grammar.allowed(generated, x.shape[-1]))
+        vocab = x.shape[-1]
+        if not self.ready:
+            self._vectors(vocab)
+            self.ready = True
+        if p.needs_history:
+            self._take(tokens)
+        if self.seen is not None:
+            penalty = p.repetition_penalty
+            x = mx.where(self.seen > 0, mx.where(x > 0, x / penalty, x * penalty), x)
+        if self.bias is not None:
+            x = x + self.bias
+        if self.counts is not None:
+            counts = self.counts.astype(mx.float32)
+            x = x - (p.presence_penalty * (counts > 0) + p.frequency_penalty * counts)
+        if p.grammar is not None:
+            allowed = mx.array(p.grammar.allowed(self.generated, vocab))
             x = mx.where(allowed[None, :], x, -mx.inf)
         return x
-
-    return process

@@ -70,3 +70,26 @@ def test_min_p_of_one_keeps_only_the_likeliest_token(tiny_dirs, kind):
     likeliest = [s.token_id for s in run_batch(engine, [greedy()], join_at=[0])[0]]
     assert [s.token_id for s in got[0]] == likeliest
     assert [s.token_id for s in got[1]] != likeliest  # without it, this seed strays
+
+
+def test_mlx_row_processor_keeps_the_rule_as_its_row_grows():
+    """The MLX row processor counts only each call's new tokens (state on the device): over
+    a long row whose context grows by one token a call, after a first call with the whole
+    prompt and a resumed completion, it gives what the rule computes from the whole history."""
+    mx = pytest.importorskip("mlx.core")
+    from engines.mlx_engine.sampling import make_processor
+    from engines.processing import Processing
+
+    rng = np.random.default_rng(0)
+    vocab, prompt_len = 50, 12
+    params = CASES["all"]
+    processor = make_processor(Processing.of(params), prompt_len)
+    context = [int(t) for t in rng.integers(0, vocab, prompt_len + 3)]  # 3 generated before
+    for step in range(120):
+        logits = rng.normal(0, 3, (1, vocab)).astype(np.float32)
+        got = np.array(processor(mx.array(context, dtype=mx.int32), mx.array(logits)))[0]
+        want = processing_rule(logits[0].astype(np.float64), params, context[:prompt_len],
+                               context[prompt_len:])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=f"step {step}")
+        # Repeats matter to the frequency penalty: draw from a few tokens now and then.
+        context.append(int(rng.integers(0, 5 if step % 3 else vocab)))
