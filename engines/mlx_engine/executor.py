@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .lone import LoneStream
 from .prompt_cache import PromptCache
-from .sampling import make_processor, make_sampler, token_logprobs
+from .sampling import make_processor, make_sampler, rows_logprobs
 
 log = logging.getLogger("duet.engines.mlx")
 
@@ -117,17 +117,18 @@ class MLXExecutor:
                                               self._budget // len(self._prefilling))
         _, generated = self._gen.next()
         tokens = {}
-        scored = {}
+        asked = []  # (seq_id, its log-softmax row, its token, its k)
         for r in generated:
             seq_id = self._seq.get(r.uid)
             if seq_id is not None:
                 tokens[seq_id] = int(r.token)
                 k = self._logprobs.get(seq_id)
                 if k is not None:
-                    scored[seq_id] = token_logprobs(r.logprobs, tokens[seq_id], k)
+                    asked.append((seq_id, r.logprobs, tokens[seq_id], k))
                 self._prefilling.discard(seq_id)
                 if r.finish_reason is not None:  # the generator dropped it already
                     self._forget(seq_id)
+        scored = dict(zip((a[0] for a in asked), rows_logprobs([a[1:] for a in asked])))
         return StepOutput(tokens, scored, cached_tokens=cached, kept_tokens=kept)
 
     @staticmethod
