@@ -355,7 +355,7 @@ class BenchRun:
 # of a level's streams from one event loop. Four on a small machine; half the cores on a big
 # one: on a 16-core H100 host four processes spent 2.5 cores' time on 64 clients' streams
 # (client_cpu_share), enough to slow what they measure.
-LOAD_PROCESSES = max(4, (os.cpu_count() or 8) // 2)
+LOAD_PROCESSES = min(16, max(4, (os.cpu_count() or 8) // 2))
 # A warm-up round's tokens a stream (at most: max_tokens if fewer).
 WARMUP_TOKENS = 8
 
