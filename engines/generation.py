@@ -13,6 +13,7 @@ from .base import (
     ClassifyParams,
     GenerationEvent,
     SamplingParams,
+    TokenLogprobs,
     check_context,
 )
 from .runtime.kv import BlockPool
@@ -92,6 +93,22 @@ class GenerationEngine(PromptSide):
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_cache = prefix_cache
         self.seq_ids = itertools.count()
+
+    def score_prompt(self, prompt_ids: Sequence[int], k: int) -> dict[int, TokenLogprobs]:
+        """A prompt's log-probabilities by position (1 on: position 0 has none), each with its
+        k likeliest tokens, for an executor that does not score the chunks it prefills. This
+        default scores the engine's logits() over the whole prompt at once."""
+        import numpy as np
+
+        prompt = list(prompt_ids)
+        logits = np.asarray(self.logits(prompt), dtype=np.float64)[:-1]
+        scores = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        out = {}
+        for position, row in enumerate(scores, 1):
+            best = np.argsort(-row)[:k]
+            out[position] = TokenLogprobs(float(row[prompt[position]]),
+                                          tuple((int(t), float(row[t])) for t in best))
+        return out
 
     def executor(self, *, prefix_cache: bool = False) -> StepExecutor:
         """A new executor over the weights and KV storage. prefix_cache: an executor that keeps

@@ -80,19 +80,24 @@ def rows_logprobs(rows: list[tuple[mx.array, int, int]]) -> list[TokenLogprobs]:
     the device once a row (64 rows of a step on an H100: 64 round trips)."""
     if not rows:
         return []
-    lp = mx.stack([row for row, _, _ in rows])
-    chosen = mx.take_along_axis(lp, mx.array([[t] for _, t, _ in rows]), axis=-1)[:, 0]
-    k = max(k for _, _, k in rows)
+    scored = top_logprobs(mx.stack([row for row, _, _ in rows]), [t for _, t, _ in rows],
+                          max(k for _, _, k in rows))
+    return [TokenLogprobs(s.logprob, s.top[:k]) for s, (_, _, k) in zip(scored, rows)]
+
+
+def top_logprobs(lp: mx.array, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Rows of log-probabilities [n, V]: each row's value at its token and its k likeliest
+    tokens, best first, read back once."""
+    chosen = mx.take_along_axis(lp, mx.array([[t] for t in tokens]), axis=-1)[:, 0]
     if not k:
-        mx.eval(chosen)
         return [TokenLogprobs(c, ()) for c in chosen.tolist()]
     top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
     values = mx.take_along_axis(lp, top, axis=-1)
     order = mx.argsort(-values, axis=-1)
     top, values = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
     mx.eval(chosen, top, values)
-    return [TokenLogprobs(c, tuple(zip(t[:n], v[:n])))
-            for c, t, v, (_, _, n) in zip(chosen.tolist(), top.tolist(), values.tolist(), rows)]
+    return [TokenLogprobs(c, tuple(zip(t, v)))
+            for c, t, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
 
 
 def make_processor(processing: Processing, prompt_tokens: int) -> Callable:

@@ -125,8 +125,10 @@ class Runtime:
                             engine=self.engine.name, device=self.engine.device,
                             arrival=sub.arrival)
         if sub.params.prompt_logprobs is not None and not self.executor.traits.scores_prompts:
-            out.prompt_scores = score_prompt(self.engine, sub.prompt_ids,
-                                             sub.params.prompt_logprobs)
+            # Apart from the batch, between two of its steps: mlx-lm's BatchGenerator keeps
+            # the logits of the prompts it prefills to itself.
+            out.prompt_scores = self.engine.score_prompt(sub.prompt_ids,
+                                                         sub.params.prompt_logprobs)
         self.scheduler.add(seq)
         self._live[seq.seq_id] = _Live(sub, seq, out)
 
@@ -339,22 +341,6 @@ class Runtime:
         if not live.out.closed:
             live.out.closed = True
             live.sub.emit(exc)
-
-
-def score_prompt(engine, prompt: list[int], k: int) -> dict[int, TokenLogprobs]:
-    """A prompt's scores by position from the engine's logits() over it whole, for an executor
-    that does not score the chunks it prefills (mlx-lm's BatchGenerator keeps its prompt logits
-    to itself): this prefill runs apart from the batch, between two of its steps."""
-    import numpy as np
-
-    logits = np.asarray(engine.logits(prompt), dtype=np.float64)[:-1]
-    scores = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-    out = {}
-    for position, row in enumerate(scores, 1):
-        best = np.argsort(-row)[:k]
-        out[position] = TokenLogprobs(float(row[prompt[position]]),
-                                      tuple((int(t), float(row[t])) for t in best))
-    return out
 
 
 def sequence_ids() -> itertools.count:

@@ -27,6 +27,8 @@ def run(engine, jobs, max_prefill_tokens):
 @pytest.mark.parametrize("kind", ["torch", "mlx"])
 def test_prompt_scores_are_the_models_across_chunks_and_beside_other_rows(tiny_dirs, kind):
     engine = make_engine(kind, tiny_dirs["llama"][0])
+    if kind == "mlx":
+        engine.score_piece_tokens = 5  # MLX scores a prompt apart, piece by piece: several
     prompt = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 27 tokens: several chunks of 8
     jobs = [(prompt, SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=2)),
             (PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
