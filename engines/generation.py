@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from .base import (
@@ -94,12 +94,16 @@ class GenerationEngine(PromptSide):
         self.prefix_cache = prefix_cache
         self.seq_ids = itertools.count()
 
-    def score_prompt(self, prompt_ids: Sequence[int], k: int) -> dict[int, TokenLogprobs]:
+    def score_prompt(self, prompt_ids: Sequence[int],
+                     k: int) -> Generator[None, None, dict[int, TokenLogprobs]]:
         """A prompt's log-probabilities by position (1 on: position 0 has none), each with its
-        k likeliest tokens, for an executor that does not score the chunks it prefills. This
-        default scores the engine's logits() over the whole prompt at once."""
+        k likeliest tokens, for an executor that does not score the chunks it prefills. A
+        generator that yields between pieces of the work (the runtime steps its batch there)
+        and returns the scores. This default scores the engine's logits() over the whole
+        prompt in one piece."""
         import numpy as np
 
+        yield from ()
         prompt = list(prompt_ids)
         logits = np.asarray(self.logits(prompt), dtype=np.float64)[:-1]
         scores = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)

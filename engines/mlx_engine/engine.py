@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -149,11 +149,13 @@ class MLXEngine(GenerationEngine):
     # at once (256 x 128k float32: 128 MiB).
     score_piece_tokens = 256
 
-    def score_prompt(self, prompt_ids: Sequence[int], k: int) -> dict[int, TokenLogprobs]:
+    def score_prompt(self, prompt_ids: Sequence[int],
+                     k: int) -> Generator[None, None, dict[int, TokenLogprobs]]:
         """The prompt fed piece by piece through a scratch KV cache, each piece's
-        log-probabilities taken in MLX (float32) and only the asked ones read back: the
+        log-probabilities taken in MLX (float32) and only the asked ones read back (the
         default's whole-prompt float64 copy of the logits and a sort of the vocabulary a
-        position took 2 GB and seconds for a 2,048-token prompt of a 128k vocabulary."""
+        position took 2 GB and seconds for a 2,048-token prompt of a 128k vocabulary); the
+        batch takes a step between two pieces."""
         from mlx_lm.models.cache import make_prompt_cache
 
         from .sampling import top_logprobs
@@ -164,6 +166,8 @@ class MLXEngine(GenerationEngine):
         out: dict[int, TokenLogprobs] = {}
         # Position p's score comes from the logits after token p - 1: the last token is not fed.
         for a in range(0, len(ids) - 1, self.score_piece_tokens):
+            if a:
+                yield
             b = min(a + self.score_piece_tokens, len(ids) - 1)
             logits = self.model(mx.array([ids[a:b]]), cache=cache)[0].astype(mx.float32)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

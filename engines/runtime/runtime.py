@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,6 +77,8 @@ class Runtime:
         )
         self._launched = None  # (plan, handle) of a pipelined step not read back yet
         self._live: dict[int, _Live] = {}
+        # Requests whose prompt the engine scores apart, a piece a step, before they join.
+        self._scoring: deque[tuple[_Live, Generator]] = deque()
         self._preparing: Preparer[Submission] | None = (
             Preparer(f"{engine.name}-prepare") if prepare_aside else None)
         self._ids = engine.seq_ids
@@ -97,7 +99,7 @@ class Runtime:
     @property
     def has_work(self) -> bool:
         return (self.scheduler.has_work or self._launched is not None
-                or bool(self._preparing))
+                or bool(self._preparing) or bool(self._scoring))
 
     def status(self) -> RuntimeStatus:
         pool = self.scheduler.pool
@@ -124,13 +126,35 @@ class Runtime:
         out = RequestOutput(self.engine.tokenizer, sub.params, prompt_tokens=len(sub.prompt_ids),
                             engine=self.engine.name, device=self.engine.device,
                             arrival=sub.arrival)
+        live = _Live(sub, seq, out)
+        self._live[seq.seq_id] = live
         if sub.params.prompt_logprobs is not None and not self.executor.traits.scores_prompts:
-            # Apart from the batch, between two of its steps: mlx-lm's BatchGenerator keeps
-            # the logits of the prompts it prefills to itself.
-            out.prompt_scores = self.engine.score_prompt(sub.prompt_ids,
-                                                         sub.params.prompt_logprobs)
+            # Beside the batch, a piece a step: mlx-lm's BatchGenerator keeps the logits of
+            # the prompts it prefills to itself. The sequence joins once its prompt is scored.
+            self._scoring.append(
+                (live, self.engine.score_prompt(sub.prompt_ids, sub.params.prompt_logprobs)))
+            return
         self.scheduler.add(seq)
-        self._live[seq.seq_id] = _Live(sub, seq, out)
+
+    def _score_piece(self) -> None:
+        """One piece of the first prompt waiting to be scored; a scored sequence joins."""
+        while self._scoring and self._scoring[0][0].seq.seq_id not in self._live:
+            self._scoring.popleft()  # stopped meanwhile
+        if not self._scoring:
+            return
+        live, scorer = self._scoring[0]
+        try:
+            next(scorer)
+            return
+        except StopIteration as done:
+            live.out.prompt_scores = done.value
+        except Exception as exc:  # noqa: BLE001  this request's failure, not the batch's
+            self._scoring.popleft()
+            del self._live[live.seq.seq_id]
+            self.delivery.post(self._fail_one, live, exc)
+            return
+        self._scoring.popleft()
+        self.scheduler.add(live.seq)
 
     def _grammar(self, params: SamplingParams) -> GrammarState | None:
         """The request's grammar's matcher, with its first mask (it then lives with the
@@ -159,6 +183,7 @@ class Runtime:
         the last step's tokens (detokenizing, stops, events) while the device runs this one."""
         self._stop_requested()
         self._take_prepared()
+        self._score_piece()
         plan = self.scheduler.schedule()
         for row in plan.rows:
             live = self._live[row.seq_id]
