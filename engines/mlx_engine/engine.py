@@ -14,6 +14,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..base import EngineInfo, TokenLogprobs
+from ..classify import Pacer
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..memory import kv_bytes_per_token
 from ..models.dummy import is_dummy
@@ -145,8 +146,9 @@ class MLXEngine(GenerationEngine):
         out = self.model(mx.array([list(prompt_ids)]))
         return np.array(out[0].astype(mx.float32))
 
-    # Prompt positions scored a piece: their log-probabilities over the vocabulary are held
-    # at once (256 x 128k float32: 128 MiB).
+    # Prompt positions scored a piece at most: their log-probabilities over the vocabulary are
+    # held at once (256 x 128k float32: 128 MiB). Fewer where the device is slow: a piece is
+    # sized to take about the classifier's piece time (engines/classify.py's Pacer).
     score_piece_tokens = 256
 
     def score_prompt(self, prompt_ids: Sequence[int],
@@ -165,13 +167,14 @@ class MLXEngine(GenerationEngine):
         cache = make_prompt_cache(self.model)
         out: dict[int, TokenLogprobs] = {}
         # Position p's score comes from the logits after token p - 1: the last token is not fed.
-        for a in range(0, len(ids) - 1, self.score_piece_tokens):
+        pacer = Pacer(most=self.score_piece_tokens)
+        for a, b in pacer.spans(len(ids) - 1):
             if a:
                 yield
-            b = min(a + self.score_piece_tokens, len(ids) - 1)
-            logits = self.model(mx.array([ids[a:b]]), cache=cache)[0].astype(mx.float32)
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            out.update(enumerate(top_logprobs(lp, ids[a + 1:b + 1], k), a + 1))
+            with pacer.piece(b - a):
+                logits = self.model(mx.array([ids[a:b]]), cache=cache)[0].astype(mx.float32)
+                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                out.update(enumerate(top_logprobs(lp, ids[a + 1:b + 1], k), a + 1))
         return out
 
     def score_continuations(self, prompts, continuations, should_stop=None):
