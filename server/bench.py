@@ -176,31 +176,11 @@ class BenchRun:
         errors: dict[str, str] = {}
         headers = {**self.headers, HEADER: self.gate.open()}
         try:
-            for name in list(self.targets):
-                async for event in self._engine_levels(name, headers):
+            sources = [*(self._engine_levels(name, headers) for name in list(self.targets)),
+                       *(self._reference_levels(name) for name in self.req.references)]
+            for source in sources:
+                async for event in source:
                     yield self._keep(event, levels, errors)
-                    if event["type"] == "error":
-                        break
-            for name in self.req.references:
-                if self.gone.is_set():
-                    break
-                event = await self._load_reference(name)
-                yield self._keep(event, levels, errors)
-                if event["type"] == "error":
-                    continue
-                for n in self.req.clients:
-                    if self.gone.is_set():
-                        break
-                    try:
-                        level = await self._reference_level(name, n)
-                    except Exception as exc:  # one failing reference must not lose the rest
-                        log.exception("bench load level on %s failed", name)
-                        yield self._keep(_error(name, f"{type(exc).__name__}: {exc}"), levels,
-                                         errors)
-                        break
-                    if self.gone.is_set():
-                        break
-                    yield self._keep({"type": "level", "target": name, **level}, levels, errors)
         finally:
             self.gate.close()
         yield {
@@ -226,6 +206,12 @@ class BenchRun:
         return event
 
     async def _engine_levels(self, name: str, headers: dict) -> AsyncIterator[dict]:
+        """An engine's levels (and their warm-up rounds) as events; it stops at an error."""
+        def level(n: int, max_tokens: int, round_: str = "") -> dict:
+            return load.run_level(self.url, self.model, n, 0, max_tokens, engine=name,
+                                  procs=min(n, LOAD_PROCESSES),
+                                  prompts=self._load_prompts(n, round_), headers=headers)
+
         for n in self.req.clients:
             if self.gone.is_set():
                 return
@@ -236,18 +222,34 @@ class BenchRun:
                 # against 8,900 once warm), as the references' warm-up batch does.
                 for i in range(self.req.warmup):
                     yield {"type": "warmup", "target": name, "clients": n}
-                    await asyncio.to_thread(
-                        load.run_level, self.url, self.model, n, 0,
-                        min(self.req.max_tokens, WARMUP_TOKENS), engine=name,
-                        procs=min(n, LOAD_PROCESSES),
-                        prompts=self._load_prompts(n, f"warm-up {i + 1}"), headers=headers)
+                    await asyncio.to_thread(level, n, min(self.req.max_tokens, WARMUP_TOKENS),
+                                            f"warm-up {i + 1}")
                     if self.gone.is_set():
                         return
-                level = await asyncio.to_thread(
-                    load.run_level, self.url, self.model, n, 0, self.req.max_tokens,
-                    engine=name, procs=min(n, LOAD_PROCESSES), prompts=self._load_prompts(n),
-                    headers=headers)
+                measured = await asyncio.to_thread(level, n, self.req.max_tokens)
             except Exception as exc:  # one failing engine must not lose the others
+                log.exception("bench load level on %s failed", name)
+                yield _error(name, f"{type(exc).__name__}: {exc}")
+                return
+            if self.gone.is_set():
+                return
+            yield {"type": "level", "target": name, **measured}
+
+    async def _reference_levels(self, name: str) -> AsyncIterator[dict]:
+        """A reference loaded for the bench, then its levels, as events; it stops at an
+        error (one failing reference must not lose the rest)."""
+        if self.gone.is_set():
+            return
+        event = await self._load_reference(name)
+        yield event
+        if event["type"] == "error":
+            return
+        for n in self.req.clients:
+            if self.gone.is_set():
+                return
+            try:
+                level = await self._reference_level(name, n)
+            except Exception as exc:
                 log.exception("bench load level on %s failed", name)
                 yield _error(name, f"{type(exc).__name__}: {exc}")
                 return

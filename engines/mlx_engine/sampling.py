@@ -61,17 +61,7 @@ def make_sampler(sampling: RowSampling, draws: int = 0) -> Callable[[mx.array], 
 def token_logprobs(logprobs: mx.array, token: int, k: int) -> TokenLogprobs:
     """The generator's log-softmax row [V] (the model's distribution, before the sampler's
     temperature and filters) at the sampled token, and its k most likely tokens."""
-    chosen = logprobs[token]
-    if k:
-        top = mx.argpartition(-logprobs, k - 1)[:k]
-        values = logprobs[top]
-        order = mx.argsort(-values)
-        top, values = top[order], values[order]
-        mx.eval(chosen, top, values)
-        pairs = tuple(zip(top.tolist(), values.tolist()))
-    else:
-        pairs = ()
-    return TokenLogprobs(chosen.item(), pairs)
+    return top_logprobs(logprobs[None], [token], k)[0]
 
 
 def rows_logprobs(rows: list[tuple[mx.array, int, int]]) -> list[TokenLogprobs]:
