@@ -164,6 +164,9 @@ class EngineInfo:
     kv_cache_bytes: int = 0
     # What a request's peak_memory_bytes counts (its MemoryMeter's measures).
     memory_measure: str = ""
+    # The devices its weights and KV cache are spread over (tensor parallelism), evenly: the
+    # memory budget, one device's, counts a device's share.
+    devices: int = 1
 
 
 class EngineError(Exception):

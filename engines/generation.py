@@ -17,7 +17,7 @@ from .base import (
     check_context,
 )
 from .runtime.kv import BlockPool
-from .runtime.plan import StepExecutor
+from .runtime.plan import RankStatus, StepExecutor
 from .runtime.solo import generate_one
 
 
@@ -93,6 +93,10 @@ class GenerationEngine(PromptSide):
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_cache = prefix_cache
         self.seq_ids = itertools.count()
+
+    def rank_status(self) -> tuple[RankStatus, ...]:
+        """A tensor-parallel engine's ranks (none for an engine on one device)."""
+        return ()
 
     def score_prompt(self, prompt_ids: Sequence[int],
                      k: int) -> Generator[None, None, dict[int, TokenLogprobs]]:

@@ -127,7 +127,10 @@ class EngineWorker:
                 "kv_cache_tokens": status.kv_tokens,
                 "prefix_cache_tokens": status.prefix_cache_tokens,
                 "prefix_cache_hit_tokens": status.prefix_cached_tokens,
-                "process_rss_bytes": self.process_rss_bytes()}
+                "process_rss_bytes": self.process_rss_bytes(),
+                **({"ranks": [{"rank": r.rank, "pid": r.pid, "memory_bytes": r.memory_bytes,
+                               "peak_memory_bytes": r.peak_memory_bytes}
+                              for r in status.ranks]} if status.ranks else {})}
 
     def process_rss_bytes(self) -> int | None:
         """The resident memory of the process the engine runs in (the server's own, or its

@@ -101,6 +101,18 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class RankStatus:
+    """One rank of a tensor-parallel engine (rank 0 is the engine's own process): its process
+    and its device memory (allocated now, and the peak since the last request's meter reset),
+    as last reported."""
+
+    rank: int
+    pid: int
+    memory_bytes: int
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
 class RuntimeStatus:
     """A runtime as of its last step, the same whether it runs in the server's process or in
     an engine process of its own (which sends one with each batch of events): what /health and
@@ -117,6 +129,7 @@ class RuntimeStatus:
     kv_bytes_per_token: int = 0
     prefix_cache_tokens: int = 0  # tokens of KV kept in the prefix cache (held or evictable)
     prefix_cached_tokens: int = 0  # prompt tokens taken from it instead of prefilled, in all
+    ranks: tuple[RankStatus, ...] = ()  # a tensor-parallel engine's ranks, 0 first
 
     @property
     def kv_tokens(self) -> int:

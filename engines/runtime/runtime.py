@@ -107,7 +107,7 @@ class Runtime:
                              self.scheduler.max_batch, pool.num_blocks, pool.block_size,
                              pool.bytes_per_token,
                              pool.cached_blocks * pool.block_size + self._kept,
-                             self.scheduler.cached_tokens)
+                             self.scheduler.cached_tokens, self.engine.rank_status())
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or

@@ -115,8 +115,11 @@ class CudaGraphs:
 class GraphDecoder:
     def __init__(self, model, kv: PagedKV, device: str, max_batch: int,
                  graphs: CudaGraphs | None = None, kernels: bool = True,
-                 backend: str | None = None):
+                 backend: str | None = None, head: bool = True):
         self.model, self.kv, self.device = model, kv, device
+        # False for a tensor-parallel rank other than 0: it samples nothing, so its step ends
+        # at the last layer's hidden states (the vocabulary projection is a large read).
+        self.head = head
         self.page = kv.block_size
         self.batches = batch_buckets(max_batch)
         self.lengths = attention_buckets(model.max_len)
@@ -159,6 +162,9 @@ class GraphDecoder:
             write_slots=x[:, WRITE], last=last, table=x[:, TABLE:], kv_len=kv_len,
             page=self.page, trash=self.kv.trash, window=self.model.args.sliding_window,
         )
+        if not self.head:
+            hidden = self.model.hidden_paged(batch, self.kv)[:, 0]
+            return hidden, hidden[:, 0]
         logits = self.model.forward_paged(batch, self.kv)
         # ATen's argmax over one row of a 128k vocabulary runs in one thread block (29 us on
         # an H200): a lone row takes the two-stage pick.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,8 +20,9 @@ from ..device import (
     memory_meter,
     torch_dtype,
 )
-from ..generation import GenerationEngine, warm_up
+from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..quantization import resolve as resolve_quantization
+from ..runtime.plan import RankStatus
 from ..runtime.sizing import (
     describe_pool,
     fit_context,
@@ -30,9 +32,12 @@ from ..runtime.sizing import (
 )
 from ..tokenizer import ChatTokenizer
 from . import cpu_linear, quant
+from .config import ModelArgs
 from .executor import TorchExecutor
 from .loader import load_model, read_config
 from .paged import PagedKV
+from .ranks import PoolShape
+from .tensor_parallel import Shard, check_splits
 
 log = logging.getLogger("duet.engines.torch")
 
@@ -42,8 +47,18 @@ COMPILE_MODES = ("auto", "on", "off")  # auto/on: CUDA graphs on CUDA
 
 class TorchEngine(GenerationEngine):
     name = "torch"
+    ranks = None  # the other ranks under tensor parallelism (ranks.RankGroup)
 
-    def __init__(
+    def __init__(self, model_dir: str | Path, **options):
+        self.ranks = None
+        try:
+            self._load(model_dir, **options)
+        except BaseException:
+            if self.ranks is not None:  # no rank outlives a load that failed
+                self.ranks.close()
+            raise
+
+    def _load(
         self,
         model_dir: str | Path,
         *,
@@ -58,30 +73,31 @@ class TorchEngine(GenerationEngine):
         max_prefill_tokens: int | None = None,
         prefix_cache: bool = True,
         quantize: str = "auto",
+        tensor_parallel: int = 1,
     ):
         started = time.perf_counter()
         model_dir = Path(model_dir)
         self.device = choose_device(device)
         if self.device == "mps":
             configure_mps(mps_memory_fraction)
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
         self.quantization = resolve_quantization(quantize, read_config(model_dir), "torch")
         self.dtype = choose_decode_dtype(dtype, self.device)
         if dtype == "auto":
             log.info("dtype auto on %s: %s", self.device, self.dtype)
-        self.model = load_model(model_dir, torch_dtype(self.dtype), self.device)
-        if compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
-        if self.quantization is not None:
-            counts = quant.quantize_model(self.model, self.quantization, self.device)
-            log.info("weights quantized to %s: %s", self.quantization.describe(),
-                     ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-        # Counted before oneDNN packs the layers: its packed weights are opaque to torch.
-        weights_bytes = sum(t.numel() * t.element_size() for t in
-                            [*self.model.parameters(), *self.model.buffers()])
-        if self.quantization is None:
-            self._cpu_linears(compile)
+        shard = None
+        if tensor_parallel > 1:
+            shard = self._start_ranks(model_dir, compile, tensor_parallel)
+        self.model = load_model(model_dir, torch_dtype(self.dtype), self.device, shard,
+                                self.ranks.group if self.ranks else None)
+        weights_bytes = prepare_weights(self.model, self.quantization, self.device, compile,
+                                        self.dtype)
+        if self.ranks is not None:
+            weights_bytes += self.ranks.loaded_bytes()
         args = self.model.args
-        per_token = PagedKV.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim,
+        attn = self.model.model.layers[0].self_attn  # its KV heads: this rank's share
+        per_token = PagedKV.bytes_per_token(args.num_layers, attn.n_kv, args.head_dim,
                                             torch_dtype(self.dtype))
         pool, max_batch = size_pool(
             bytes_per_token=per_token, context_length=context_length, max_batch=max_batch,
@@ -91,14 +107,23 @@ class TorchEngine(GenerationEngine):
         )
         self.context_length = fit_context(context_length, pool, "torch")
         self.model.setup_rope(self.context_length)
-        self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, args.num_kv_heads,
+        self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, attn.n_kv,
                           args.head_dim, torch_dtype(self.dtype), self.device)
         self.init_runtime(pool, max_batch=max_batch,
                           max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device),
                           prefix_cache=prefix_cache)
+        if self.ranks is not None:
+            self.ranks.build(PoolShape(pool.num_blocks, pool.block_size, self.context_length,
+                                       max_batch))
         self.decoder = make_decoder(self.model, self.kv, self.device, compile, max_batch)
+        self.meter = self._own_meter = memory_meter(self.device)  # own: this rank's
+        world = 1
+        if self.ranks is not None:
+            self.ranks.built()
+            self.model.mirror = self.ranks.mirror
+            self.meter = RanksMeter(self._own_meter, self.ranks)
+            world = self.ranks.world
         self.tokenizer = ChatTokenizer(model_dir)
-        self.meter = memory_meter(self.device)
         self.info = EngineInfo(
             engine=self.name,
             device=self.device,
@@ -107,10 +132,11 @@ class TorchEngine(GenerationEngine):
             backend_version=f"torch {torch.__version__}",
             quantization=self.quantization.describe() if self.quantization else "none",
             weights_bytes=weights_bytes,
-            kv_cache_bytes=pool.capacity_bytes,
+            kv_cache_bytes=pool.capacity_bytes * world,
             memory_measure=self.meter.measures,
+            devices=world,
             extra={"cuda_graphs": str(self.decoder is not None).lower(),
-                   **pool_info(pool, max_batch)},
+                   "tensor_parallel": str(world), **pool_info(pool, max_batch)},
         )
         log.info(
             "torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
@@ -118,17 +144,35 @@ class TorchEngine(GenerationEngine):
             describe_pool(pool, max_batch), warm_up(self),
         )
 
-    def _cpu_linears(self, compile: str) -> None:
-        if onednn_linears(self.device, compile, torch_dtype(self.dtype)):
-            log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(self.model))
-        elif self.device == "cpu" and compile != "on" and self.dtype != "float32":
-            log.info("cpu: %d linear layers run through ATen, in float32 for more than %d rows: "
-                     "this CPU lacks the instructions oneDNN's packed %s path needs",
-                     cpu_linear.widen_linears(self.model), cpu_linear.WIDEN_ROWS, self.dtype)
+    def _start_ranks(self, model_dir: Path, compile: str, world: int) -> Shard:
+        """Start the other ranks of a tensor-parallel group (ranks.py); this engine is rank 0."""
+        from .ranks import RankGroup, RankSpec, rank_device
+
+        if self.device == "mps":
+            raise ValueError("tensor parallelism runs on CUDA GPUs or the CPU, not MPS")
+        kind = "cuda" if self.device.startswith("cuda") else "cpu"
+        if kind == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor parallelism over {world} ranks needs {world} GPUs; "
+                             f"{torch.cuda.device_count()} are visible")
+        check_splits(ModelArgs.from_hf(read_config(model_dir)), world)
+        self.device = rank_device(kind, 0)
+        self.ranks = RankGroup(RankSpec(str(model_dir), self.dtype, kind, compile,
+                                        self.quantization, 0, world, ""))
+        log.info("tensor parallelism: %d ranks over %s (%s)", world,
+                 "GPUs 0-%d" % (world - 1) if kind == "cuda" else "the CPU",
+                 "NCCL" if kind == "cuda" else "gloo")
+        return Shard(0, world)
+
+    def rank_status(self) -> tuple[RankStatus, ...]:
+        if self.ranks is None:
+            return ()
+        own = RankStatus(0, os.getpid(), device_memory_bytes(self.device),
+                         self._own_meter.peak_bytes())
+        return (own, *self.ranks.status())
 
     def executor(self, *, prefix_cache: bool = False) -> TorchExecutor:
         # The KV lives in the pool's blocks: their reuse is the scheduler's.
-        return TorchExecutor(self.model, self.kv, self.device, self.decoder)
+        return TorchExecutor(self.model, self.kv, self.device, self.decoder, self.ranks)
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
@@ -148,6 +192,57 @@ class TorchEngine(GenerationEngine):
         self.model = None
         self.kv = None
         self.decoder = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+
+
+class RanksMeter(MemoryMeter):
+    """A tensor-parallel engine's memory: rank 0's meter and the other ranks' last reports,
+    summed."""
+
+    def __init__(self, own: MemoryMeter, ranks) -> None:
+        self._own, self._ranks = own, ranks
+        self.measures = f"{own.measures}, summed over {ranks.world} ranks"
+
+    def reset(self) -> None:
+        self._own.reset()
+        self._ranks.reset_meters()
+
+    def sample(self) -> None:
+        self._own.sample()
+
+    def peak_bytes(self) -> int:
+        return self._own.peak_bytes() + self._ranks.peak_bytes()
+
+
+def device_memory_bytes(device: str) -> int:
+    """What this process holds on its device now: the CUDA allocator's tensors, else the
+    process's resident set."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def prepare_weights(model, quantization, device: str, compile: str, dtype: str) -> int:
+    """Quantize the loaded weights, or on the CPU hand the linear layers to oneDNN; returns the
+    weights' bytes (counted before oneDNN packs them: its packed weights are opaque)."""
+    if quantization is not None:
+        counts = quant.quantize_model(model, quantization, device)
+        log.info("weights quantized to %s: %s", quantization.describe(),
+                 ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    weights_bytes = sum(t.numel() * t.element_size()
+                        for t in [*model.parameters(), *model.buffers()])
+    if quantization is None:
+        if onednn_linears(device, compile, torch_dtype(dtype)):
+            log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(model))
+        elif device == "cpu" and compile != "on" and dtype != "float32":
+            log.info("cpu: %d linear layers run through ATen, in float32 for more than %d rows: "
+                     "this CPU lacks the instructions oneDNN's packed %s path needs",
+                     cpu_linear.widen_linears(model), cpu_linear.WIDEN_ROWS, dtype)
+    return weights_bytes
 
 
 def onednn_linears(device: str, compile: str, dtype: torch.dtype) -> bool:
@@ -156,7 +251,8 @@ def onednn_linears(device: str, compile: str, dtype: torch.dtype) -> bool:
     return device == "cpu" and compile != "on" and cpu_linear.available(dtype)
 
 
-def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int):
+def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int,
+                 head: bool = True):
     """On CUDA the decode step is replayed as CUDA graphs: compiled by Inductor (compile auto
     or on), or of eager ops (off, or DUET_CUDA_GRAPHS=eager). None (eager decode) elsewhere:
     MPS and the CPU have no graph replay, and eager decode is their fast path."""
@@ -169,6 +265,7 @@ def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int):
     from .cuda_graphs import GraphDecoder
 
     eager = compile == "off" or os.environ.get("DUET_CUDA_GRAPHS") == "eager"
-    decoder = GraphDecoder(model, kv, device, max_batch, backend=None if eager else "inductor")
+    decoder = GraphDecoder(model, kv, device, max_batch, backend=None if eager else "inductor",
+                           head=head)
     decoder.warm_up()
     return decoder

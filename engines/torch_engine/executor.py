@@ -32,8 +32,10 @@ def prefill_attention(device: str):
 
 
 class TorchExecutor:
-    def __init__(self, model, kv: PagedKV, device: str, decoder=None):
+    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None):
         self.model, self.kv, self.device = model, kv, device
+        # Under tensor parallelism (ranks.py): the other ranks, told each step before it runs.
+        self.ranks = ranks
         self.window = model.args.sliding_window
         self.decoder = decoder  # CUDA graphs for decode rows (cuda_graphs.GraphDecoder)
         # With graphs the step is pipelined: launched before the last one is read back, its
@@ -49,7 +51,17 @@ class TorchExecutor:
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
+        if self.ranks is None:
+            return self._launch(plan)
+        try:
+            return self._launch(plan)
+        except RuntimeError as exc:  # gloo's read error when a rank's process is gone
+            raise self.ranks.failed(exc) from exc
+
+    def _launch(self, plan: StepPlan):
         self._processor.release(plan.released)
+        if self.ranks is not None:
+            self.ranks.step(plan.prefill, plan.decode, share=self.pipelined)
         with torch.inference_mode():
             logits, greedy, due = [], [], []
             prompt_scores: dict = {}
@@ -86,6 +98,8 @@ class TorchExecutor:
             if any(r.sampling.logprobs is not None for r in due):
                 whole = whole if whole is not None else torch.cat(logits)
                 scored = token_logprobs(whole, tokens, due)
+            if self.ranks is not None and self.pipelined:
+                self.ranks.share(tokens)  # the ranks' next step takes its PENDING tokens here
             pending = self._readback.start(tokens)
             if self.pipelined:  # where the next step's PENDING rows find their tokens
                 self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})

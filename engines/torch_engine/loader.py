@@ -11,6 +11,7 @@ from ..base import UnsupportedModel
 from ..models.dummy import is_dummy
 from .config import ModelArgs
 from .model import Transformer
+from .tensor_parallel import Shard, read_shard, split_modules
 
 # Hugging Face keeps these projections apart; duet multiplies by each group as one matrix.
 _FUSED = {
@@ -68,15 +69,28 @@ def _fuse(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Te
     return state
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
+def _meta_model(args: ModelArgs, shard: Shard | None, group) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    if shard is not None:
+        split_modules(model, shard, group)
+    return model
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str, shard: Shard | None = None,
+               group=None) -> Transformer:
+    """The model, or with shard its share for one rank of a tensor-parallel group that sums
+    over group (tensor_parallel.py)."""
     cfg = read_config(model_dir)
     refuse_quantized_checkpoint(cfg, model_dir)
     args = ModelArgs.from_hf(cfg)
     if is_dummy(cfg):
-        return random_model(args, dtype, device)
-    with torch.device("meta"):
-        model = Transformer(args)
-    state = _fuse(_read_hf_state(model_dir, args.tie_word_embeddings), args.num_layers)
+        return random_model(args, dtype, device, shard=shard, group=group)
+    model = _meta_model(args, shard, group)
+    tie = args.tie_word_embeddings
+    state = _read_hf_state(model_dir, tie) if shard is None else \
+        read_shard(_safetensor_files(model_dir), args, shard, tie)
+    state = _fuse(state, args.num_layers)
     expected = set(model.state_dict())
     if args.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -90,21 +104,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> Transformer:
     return model.eval()
 
 
-def random_model(args: ModelArgs, dtype: torch.dtype, device: str, seed: int = 0) -> Transformer:
+def random_model(args: ModelArgs, dtype: torch.dtype, device: str, seed: int = 0,
+                 shard: Shard | None = None, group=None) -> Transformer:
     """Weights of the right shapes drawn at random on the device (vLLM's --load-format dummy):
-    decode speed does not depend on weight values."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device=device).to(dtype)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    decode speed does not depend on weight values. A rank draws its share alone, so a model
+    no one device holds never exists whole."""
+    model = _meta_model(args, shard, group)
+    model = model.to(dtype).to_empty(device=device)  # never whole in float32 first
+    generator = torch.Generator(device=device)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for i, (name, p) in enumerate(model.named_parameters()):
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=generator)
+            else:  # a seed per tensor: the ranks' whole tensors (embeddings) come out equal
+                p.normal_(0.0, 0.02, generator=generator.manual_seed(seed + i))
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

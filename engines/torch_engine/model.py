@@ -62,6 +62,16 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     raise UnsupportedModel(f"rope scaling '{kind}' is not supported (default, linear, llama3)")
 
 
+def summed(x: torch.Tensor, group) -> torch.Tensor:
+    """x added up over a tensor-parallel group's ranks (x itself without one). A functional
+    collective: torch.compile traces it into the step, and a CUDA graph captures it."""
+    if group is None:
+        return x
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", group)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -91,6 +101,9 @@ class Attention(nn.Module):
         # Set by the CUDA runner: the static decode step calls the Triton kernel in
         # decode_attention.py instead of the PyTorch-op attention below.
         self.decode_kernel = False
+        # Under tensor parallelism (tensor_parallel.py) this rank holds some of the heads: its
+        # output projection's partial sums are added up over the ranks' group.
+        self.group = None
 
     def forward(self, x, cos, sin, pos, mask, pool=None):
         b, t, _ = x.shape
@@ -110,7 +123,7 @@ class Attention(nn.Module):
                     q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                     enable_gqa=self.n_kv != self.n_heads,
                 )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return summed(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), self.group)
 
     def _paged_attention(self, q, k, v, batch, pool):
         """Write the rows' K/V into the pool, then attend over each row's keys: through the
@@ -150,13 +163,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(d, 2 * self.hidden, bias=bias)
         self.down_proj = nn.Linear(self.hidden, d, bias=bias)
         self.act_kernel = False  # set by the CUDA runner: silu_mul.py's Triton kernel
+        self.group = None  # as Attention's: this rank's share of the hidden units, summed
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.act_kernel:
-            return self.down_proj(torch.ops.duet.silu_mul(gate_up))
+            return summed(self.down_proj(torch.ops.duet.silu_mul(gate_up)), self.group)
         gate, up = gate_up.split(self.hidden, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return summed(self.down_proj(F.silu(gate) * up), self.group)
 
 
 class Block(nn.Module):
@@ -191,29 +205,57 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_len = 0
+        # Rank 0 of a tensor-parallel group: f(what, *args) tells the other ranks of each
+        # forward outside the runtime's steps (scoring, whole-prompt logits), which they run
+        # with it (ranks.py). Steps are told by the executor.
+        self.mirror = None
 
     @contextmanager
     def scratch_cache(self, max_len: int):
         """A contiguous batch-1 cache for max_len positions, for work outside the runtime's
         pool (scoring, whole-prompt logits), freed afterwards."""
         p = self.model.embed_tokens.weight
-        a = self.args
         attns = [layer.self_attn for layer in self.model.layers]
         saved = [attn.kv_cache for attn in attns]
+        if self.mirror is not None:
+            self.mirror("scratch", max_len)
         try:
             for attn in attns:
-                attn.kv_cache = KVCache(max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+                attn.kv_cache = KVCache(max_len, attn.n_kv, attn.head_dim, p.dtype, p.device)
             yield
         finally:
             for attn, cache in zip(attns, saved):
                 attn.kv_cache = cache
+            if self.mirror is not None:
+                self.mirror("scratch_end")
+
+    @contextmanager
+    def batched_caches(self, prompt_len: int, batch: int, extra: int):
+        """Inside scratch_cache: swap every layer's cache for a batch of copies of its first
+        prompt_len positions, with room for extra more (scoring continuations)."""
+        attns = [layer.self_attn for layer in self.model.layers]
+        saved = [a.kv_cache for a in attns]
+        if self.mirror is not None:
+            self.mirror("batched", prompt_len, batch, extra)
+        try:
+            for a, c in zip(attns, saved):
+                _, heads, _, dim = c.k.shape
+                a.kv_cache = KVCache(prompt_len + extra, heads, dim, c.k.dtype, c.k.device, batch)
+                a.kv_cache.k[:, :, :prompt_len] = c.k[:, :, :prompt_len]
+                a.kv_cache.v[:, :, :prompt_len] = c.v[:, :, :prompt_len]
+            yield
+        finally:
+            for a, c in zip(attns, saved):
+                a.kv_cache = c
+            if self.mirror is not None:
+                self.mirror("batched_end")
 
     def setup_cache(self, max_len: int) -> None:
         """Allocate the KV cache and rotary tables once, for the whole context."""
         p = self.model.embed_tokens.weight
-        a = self.args
         for layer in self.model.layers:
-            layer.self_attn.kv_cache = KVCache(max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+            attn = layer.self_attn
+            attn.kv_cache = KVCache(max_len, attn.n_kv, attn.head_dim, p.dtype, p.device)
         self.setup_rope(max_len)
 
     def setup_rope(self, max_len: int) -> None:
@@ -286,6 +328,8 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         if pos + t > self.max_len:
             raise ValueError(f"position {pos + t} is past the KV cache ({self.max_len})")
+        if self.mirror is not None:
+            self.mirror("forward", tokens.tolist(), pos, last_only)
         cos, sin = self.rope_cos[pos : pos + t], self.rope_sin[pos : pos + t]
         mask = self._prefix_mask(pos, t, tokens.device)
         x = self.model.embed_tokens(tokens)

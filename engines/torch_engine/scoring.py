@@ -10,30 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 
 import torch
 
 from ..base import ContinuationScores, StopCheck, check_stop
 from ..classify import Pacer, right_pad, shared_prefix_len
-from .model import KVCache, Transformer
-
-
-@contextmanager
-def batched_caches(model: Transformer, prompt_len: int, batch: int, extra: int):
-    """Swap every layer's cache for a batched copy of its first prompt_len positions."""
-    attns = [layer.self_attn for layer in model.model.layers]
-    saved = [a.kv_cache for a in attns]
-    try:
-        for a, c in zip(attns, saved):
-            _, heads, _, dim = c.k.shape
-            a.kv_cache = KVCache(prompt_len + extra, heads, dim, c.k.dtype, c.k.device, batch)
-            a.kv_cache.k[:, :, :prompt_len] = c.k[:, :, :prompt_len]
-            a.kv_cache.v[:, :, :prompt_len] = c.v[:, :, :prompt_len]
-        yield
-    finally:
-        for a, c in zip(attns, saved):
-            a.kv_cache = c
+from .model import Transformer
 
 
 @torch.inference_mode()
@@ -77,7 +59,7 @@ def score_continuations(
             groups = []
             for r0, r1 in pacer.row_groups(batch, width):
                 columns = []
-                with batched_caches(model, len(prompt), r1 - r0, width):
+                with model.batched_caches(len(prompt), r1 - r0, width):
                     for c0, c1 in pacer.spans(width, r1 - r0):
                         check_stop(should_stop)
                         with pacer.piece((r1 - r0) * (c1 - c0)):

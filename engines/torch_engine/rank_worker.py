@@ -1,0 +1,172 @@
+"""A tensor-parallel rank other than 0: `python -m engines.torch_engine.rank_worker FD`, started
+by rank 0 (ranks.py) with FD its end of a socket pair.
+
+It loads its share of the model, allocates its share of the KV pool as rank 0 sized it, captures
+its decode steps beside rank 0's, then runs every forward rank 0 tells it, in order: its heads'
+part of each layer, summed with the other ranks'. It never samples: a pipelined step's tokens
+come from rank 0's broadcast."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from ..device import memory_meter, torch_dtype
+from .engine import device_memory_bytes, make_decoder, prepare_weights
+from .executor import prefill_attention
+from .loader import load_model
+from .paged import PagedKV, build_batch
+from .ranks import PoolShape, RankSpec, join_group, rank_device, unslim
+from .tensor_parallel import Shard
+
+log = logging.getLogger("duet.engines.torch")
+
+REPORT_S = 0.25  # how often a rank reports its memory to rank 0 while it works
+
+
+class Rank:
+    def __init__(self, spec: RankSpec, conn: Connection):
+        self.conn = conn
+        self.device = rank_device(spec.device, spec.rank)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)
+        join_group(spec)
+        import torch.distributed as dist
+
+        self.spec = spec
+        self.model = load_model(Path(spec.model_dir), torch_dtype(spec.dtype), self.device,
+                                Shard(spec.rank, spec.world), dist.group.WORLD)
+        self.weights_bytes = prepare_weights(self.model, spec.quantization, self.device,
+                                             spec.compile, spec.dtype)
+        self.meter = memory_meter(self.device)
+        # The scratch caches of forwards outside the steps, and the batched copies inside them.
+        self._scratch = contextlib.ExitStack()
+        self._batched = contextlib.ExitStack()
+        self._last: tuple[torch.Tensor, dict[int, int]] | None = None
+        self._reported = 0.0
+
+    def build(self, shape: PoolShape) -> None:
+        attn = self.model.model.layers[0].self_attn
+        args = self.model.args
+        self.model.setup_rope(shape.context_length)
+        self.kv = PagedKV(args.num_layers, shape.num_blocks, shape.block_size, attn.n_kv,
+                          attn.head_dim, torch_dtype(self.spec.dtype), self.device)
+        self.decoder = make_decoder(self.model, self.kv, self.device, self.spec.compile,
+                                    shape.max_batch, head=False)
+
+    def step(self, prefill: list[tuple], decode: list[tuple], share: bool) -> None:
+        """Rank 0's TorchExecutor.launch without the vocabulary projection and sampling."""
+        prefill, decode = unslim(prefill), unslim(decode)
+        with torch.inference_mode():
+            for rows in (prefill, decode):
+                if not rows:
+                    continue
+                if rows is decode and self.decoder is not None:
+                    self.decoder.run(rows, self._last)
+                else:
+                    batch = build_batch(rows, self.kv, self.model.max_len,
+                                        self.model.args.sliding_window, self.device)
+                    with prefill_attention(self.device):
+                        self.model.hidden_paged(batch, self.kv).sum()  # waits for its sums
+            due = [r.seq_id for r in (*prefill, *decode) if r.sample]
+            if share and due:
+                import torch.distributed as dist
+
+                tokens = torch.empty(len(due), dtype=torch.long, device=self.device)
+                dist.broadcast(tokens, src=0)
+                self._last = (tokens, {seq_id: i for i, seq_id in enumerate(due)})
+        self.meter.sample()
+
+    def scratch(self, max_len: int) -> None:
+        self._scratch.enter_context(self.model.scratch_cache(max_len))
+
+    def forward(self, tokens: list[list[int]], pos: int, last_only: bool) -> None:
+        with torch.inference_mode():
+            x = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            self.model(x, pos, last_only).sum()
+
+    def report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._reported >= REPORT_S:
+            self._reported = now
+            self.conn.send(("report", {"memory": device_memory_bytes(self.device),
+                                       "peak": self.meter.peak_bytes()}))
+
+    def serve(self) -> None:
+        while True:
+            msg = self.conn.recv()
+            kind = msg[0]
+            if kind == "step":
+                self.step(*msg[1:])
+                self.report()
+            elif kind == "scratch":
+                self.scratch(msg[1])
+            elif kind == "scratch_end":
+                self._scratch.close()
+            elif kind == "batched":
+                self._batched.enter_context(self.model.batched_caches(*msg[1:]))
+            elif kind == "batched_end":
+                self._batched.close()
+            elif kind == "forward":
+                self.forward(*msg[1:])
+            elif kind == "meter_reset":
+                self.meter.reset()
+                self.report(force=True)
+            elif kind == "close":
+                return
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+
+
+def _watch_parent() -> None:
+    """Rank 0's process gone (killed, so its socket may not close while a collective waits):
+    this rank goes too."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def main(fd: int) -> None:
+    conn = Connection(fd)
+    threading.Thread(target=_watch_parent, daemon=True).start()
+    spec: RankSpec = conn.recv()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(message)s")
+    if spec.device == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+    try:
+        rank = Rank(spec, conn)
+        conn.send(("loaded", rank.weights_bytes))
+        msg = conn.recv()
+        if msg[0] == "close":
+            return
+        rank.build(msg[1])
+        conn.send(("built",))
+        rank.report(force=True)
+    except Exception as exc:  # rank 0 raises it as the load's error
+        log.exception("rank %d failed to start", spec.rank)
+        try:
+            conn.send(("failed", RuntimeError(f"tensor-parallel rank {spec.rank}: {exc}")))
+        except OSError:
+            pass
+        sys.exit(1)
+    try:
+        rank.serve()
+    except (EOFError, OSError):
+        pass  # rank 0 is gone
+    # No group teardown: NCCL's waits for its peers, which may be gone or going (a close took
+    # over 10 s so); the process's end frees what it held.
+    logging.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

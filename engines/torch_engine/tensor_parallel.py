@@ -1,0 +1,104 @@
+"""Tensor parallelism: one model split across ranks by attention heads and MLP units, in the
+manner of Megatron-LM and gpt-fast.
+
+Each rank holds a contiguous share of the query heads with their KV heads (Q/K/V projected
+column-wise, the output projection row-wise) and of the MLP's hidden units (gate/up
+column-wise, down row-wise); each block's two row-wise products are summed over the ranks
+(model.summed), so every rank ends each layer with the whole hidden state. Embeddings, norms and
+the vocabulary projection are whole on every rank: every rank computes the same logits, and only
+rank 0 samples. A rank's KV pool holds its own KV heads only.
+
+A rank reads its share of a safetensors checkpoint by slices (safetensors' get_slice), not the
+whole file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..base import UnsupportedModel
+from .config import ModelArgs
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    world: int
+
+    def part(self, n: int) -> slice:
+        size = n // self.world
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+
+def check_splits(args: ModelArgs, world: int) -> None:
+    for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads),
+                    ("MLP hidden units", args.intermediate_size)):
+        if n % world:
+            raise UnsupportedModel(
+                f"tensor parallelism over {world} ranks needs the model's {what} ({n}) to "
+                f"divide by {world}")
+
+
+def split_modules(model, shard: Shard, group) -> None:
+    """Shrink a model made on the meta device to one rank's share (weights not yet loaded);
+    group: the ranks' process group its blocks sum over."""
+    args = model.args
+    check_splits(args, shard.world)
+    d, w = args.hidden_size, shard.world
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.n_heads //= w
+        attn.n_kv //= w
+        attn.q_size, attn.kv_size = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
+        attn.qkv_proj = nn.Linear(d, attn.q_size + 2 * attn.kv_size, bias=args.qkv_bias,
+                                  device="meta")
+        attn.o_proj = nn.Linear(attn.q_size, d, bias=args.o_bias, device="meta")
+        attn.group = group
+        mlp.hidden //= w
+        mlp.gate_up_proj = nn.Linear(d, 2 * mlp.hidden, bias=args.mlp_bias, device="meta")
+        mlp.down_proj = nn.Linear(mlp.hidden, d, bias=args.mlp_bias, device="meta")
+        mlp.group = group
+
+
+# Hugging Face names (after "model.layers.N.") split by rows (outputs) or columns (inputs), and
+# the size of the axis split: heads x head_dim, or the MLP's hidden units.
+_ROWS = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
+         "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp"}
+_COLUMNS = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
+
+
+def _axis(args: ModelArgs, kind: str) -> int:
+    return {"q": args.num_heads * args.head_dim, "kv": args.num_kv_heads * args.head_dim,
+            "mlp": args.intermediate_size}[kind]
+
+
+def shard_of(name: str, tensor_slice, args: ModelArgs, shard: Shard) -> torch.Tensor:
+    """This rank's part of the checkpoint tensor `name`, read through tensor_slice (a
+    safetensors slice, or a tensor: anything indexed by slices)."""
+    module, _, kind = name.rpartition(".")
+    local = module.split(".", 3)[-1] if module.startswith("model.layers.") else module
+    if local in _ROWS:
+        return tensor_slice[shard.part(_axis(args, _ROWS[local]))]
+    if local in _COLUMNS:
+        if kind == "bias":  # added once, after the sum: rank 0's alone
+            whole = tensor_slice[:]
+            return whole if shard.rank == 0 else torch.zeros_like(whole)
+        return tensor_slice[:, shard.part(_axis(args, _COLUMNS[local]))]
+    return tensor_slice[:]
+
+
+def read_shard(files: list[Path], args: ModelArgs, shard: Shard, tie: bool) -> dict[str, torch.Tensor]:
+    """One rank's tensors of a safetensors checkpoint, each read as its slice."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not (tie and name == "lm_head.weight"):
+                    state[name] = shard_of(name, f.get_slice(name), args, shard)
+    return state
+

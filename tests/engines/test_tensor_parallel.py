@@ -1,0 +1,156 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks, tiny checkpoints in float32): the split model
+gives the tokens and scores of the whole one, a rank reads only its slices, and a rank that dies
+mid-batch ends the batch's requests with an error instead of a hang."""
+
+import asyncio
+import os
+import signal
+import time
+from functools import partial
+
+import psutil
+import pytest
+import torch
+
+from engines.base import RequestStats, SamplingParams, Step, UnsupportedModel
+from engines.runtime.process import EngineProcessError
+from engines.torch_engine import TorchEngine
+from engines.torch_engine.config import ModelArgs
+from engines.torch_engine.loader import read_config
+from engines.torch_engine.tensor_parallel import Shard, check_splits, read_shard
+from server.worker import EngineWorker
+from tests.engines.helpers import run_batch
+
+# Mixed: a long prompt prefilled in chunks (max_prefill_tokens 64), short ones joining while it
+# decodes, and a seeded sampled row.
+PROMPTS = [list(range(3, 103)), [9, 8], [100, 101, 102, 103, 104], [50, 60, 70]]
+PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 3 + [
+    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
+
+
+def engine(path, ranks):
+    return TorchEngine(path, context_length=256, dtype="float32", device="cpu",
+                       tensor_parallel=ranks)
+
+
+def tokens(steps):
+    return [[s.token_id for s in row] for row in steps]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral_window", "smollm"])
+def test_two_ranks_give_the_tokens_and_scores_of_one(tiny_dirs, family):
+    """qwen2: Q/K/V biases split with their rows; mistral_window: the sliding window's mask on
+    each rank's heads; smollm: tied embeddings, whole on every rank."""
+    path = tiny_dirs[family][0]
+    one, two = engine(path, 1), engine(path, 2)
+    try:
+        assert two.info.devices == 2 and two.info.extra["tensor_parallel"] == "2"
+        assert two.kv.k[0].shape[1] == one.kv.k[0].shape[1] // 2  # its KV heads only
+        expected = run_batch(one, PARAMS, [0, 1, 3, 4], PROMPTS)
+        got = run_batch(two, PARAMS, [0, 1, 3, 4], PROMPTS)
+        assert tokens(got) == tokens(expected)
+        # Forwards outside the steps (scoring, whole-prompt logits) are run by every rank too.
+        torch.testing.assert_close(torch.from_numpy(two.logits(PROMPTS[0])),
+                                   torch.from_numpy(one.logits(PROMPTS[0])), atol=1e-4, rtol=1e-4)
+        scores = [two.score_continuations([PROMPTS[2]], [[5, 6], [7]]) for _ in range(2)]
+        reference = one.score_continuations([PROMPTS[2]], [[5, 6], [7]])
+        for s in scores:
+            for got_row, want_row in zip(s.token_logprobs[0], reference.token_logprobs[0]):
+                assert got_row == pytest.approx(want_row, abs=1e-4)
+        # ... and the steps after them still pair up.
+        assert tokens(run_batch(two, PARAMS[:1], [0], PROMPTS[1:2])) == tokens(expected[1:2])
+    finally:
+        two.close()
+
+
+def test_each_rank_quantizes_its_share(tiny_dirs):
+    """int8 weights: each rank quantizes the slices it holds (a row-wise split's scales are
+    taken over its half of the inputs, so the logits differ a little from one rank's)."""
+    path = tiny_dirs["llama"][0]
+    one = TorchEngine(path, context_length=64, dtype="float32", device="cpu", quantize="int8")
+    two = TorchEngine(path, context_length=64, dtype="float32", device="cpu", quantize="int8",
+                      tensor_parallel=2)
+    try:
+        assert two.info.quantization == one.info.quantization != "none"
+        diff = abs(two.logits(PROMPTS[2]) - one.logits(PROMPTS[2])).max()
+        assert diff < 0.1
+    finally:
+        two.close()
+
+
+def test_a_rank_reads_its_slices_and_the_slices_make_the_whole(tiny_dirs):
+    from safetensors.torch import load_file
+
+    path = tiny_dirs["qwen2"][0]
+    args = ModelArgs.from_hf(read_config(path))
+    files = sorted(path.glob("*.safetensors"))
+    whole = {k: v for f in files for k, v in load_file(f).items()}
+    parts = [read_shard(files, args, Shard(r, 2), args.tie_word_embeddings) for r in range(2)]
+    name = "model.layers.1.{}"
+    for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                   "mlp.up_proj"):  # by output rows, biases with them
+        for kind in ("weight", "bias"):
+            key = name.format(f"{module}.{kind}")
+            if key in whole:
+                assert parts[0][key].shape[0] == whole[key].shape[0] // 2
+                torch.testing.assert_close(torch.cat([p[key] for p in parts]), whole[key])
+    for module in ("self_attn.o_proj", "mlp.down_proj"):  # by input columns
+        key = name.format(f"{module}.weight")
+        torch.testing.assert_close(torch.cat([p[key] for p in parts], dim=1), whole[key])
+    for key in ("model.embed_tokens.weight", "model.norm.weight"):  # whole on each rank
+        assert all(torch.equal(p[key], whole[key]) for p in parts)
+    assert "lm_head.weight" not in parts[0]  # tied: the embedding stands for it
+
+
+def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
+    args = ModelArgs.from_hf(read_config(tiny_dirs["llama"][0]))  # 4 heads, 2 KV heads
+    check_splits(args, 2)
+    with pytest.raises(UnsupportedModel, match="KV heads \\(2\\) to divide by 4"):
+        check_splits(args, 4)
+
+
+def _rank_processes(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if any("rank_worker" in part for part in p.cmdline())]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_a_rank_killed_mid_batch_ends_its_requests_with_an_error(tiny_dirs):
+    worker = EngineWorker("tp", process=True, max_queue=4)
+    await asyncio.wait_for(worker.load(partial(engine, tiny_dirs["llama"][0], 2)), 120)
+    try:
+        ids = [[5, 6, 7], [8, 9]]
+        params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+        seen = [0, 0]
+
+        async def run(i):
+            async for batch in worker.generate(ids[i], params):
+                for event in batch:
+                    if isinstance(event, RequestStats):
+                        return event
+                    seen[i] += isinstance(event, Step)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(2)]
+        deadline = time.monotonic() + 30
+        while min(seen) < 3 and time.monotonic() < deadline and not any(t.done() for t in tasks):
+            await asyncio.sleep(0.02)
+        assert min(seen) >= 3, "the batch did not start"
+        ranks = _rank_processes(worker.loop.pid)
+        assert len(ranks) == 1
+        # /health's view: each rank's process and memory (the CPU's: its resident set).
+        shown = worker.runtime_status()["ranks"]
+        assert [(r["rank"], r["pid"]) for r in shown] == [(0, worker.loop.pid), (1, ranks[0].pid)]
+        assert all(r["memory_bytes"] > 0 for r in shown)
+        os.kill(ranks[0].pid, signal.SIGKILL)
+        for task in tasks:
+            with pytest.raises(EngineProcessError):
+                await asyncio.wait_for(task, 30)
+        assert not worker.loaded  # so the registry loads it anew
+    finally:
+        await worker.aclose(10)
+
