@@ -49,11 +49,13 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
                  prefix_cache=settings.prefix_cache),
             device=settings.device, compile=settings.compile,
             mps_memory_fraction=settings.mps_memory_fraction,
+            tensor_parallel=settings.tensor_parallel,
         )
     registry = ModelRegistry(
         specs, factory, override,
         max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
-        engine_process=process_policy(settings.engine_process, settings.device),
+        engine_process=process_policy(settings.engine_process, settings.device,
+                                      settings.tensor_parallel),
         keep_alive=settings.keep_alive, max_loaded=settings.max_loaded_models,
         memory_budget=settings.memory_budget,
     )

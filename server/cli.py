@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
             "max_queue": args.max_queue, "request_timeout_s": args.request_timeout,
             "max_batch": args.max_batch, "max_prefill_tokens": args.max_prefill_tokens,
             "kv_cache_memory": args.kv_cache_memory, "engine_process": args.engine_process,
+            "tensor_parallel": args.tensor_parallel,
             "prefix_cache": args.prefix_cache, "keep_alive": args.keep_alive,
             "max_loaded_models": args.max_loaded_models, "memory_budget": args.memory_budget,
             "shutdown_timeout_s": args.shutdown_timeout, "max_connections": args.max_connections,
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-queue", type=int,
                        help="requests that may wait per engine beyond its running batch "
                        "(default: as many as the batch, at least 32); more get 429")
+    serve.add_argument("--tensor-parallel", type=int, metavar="N",
+                       help="torch engine: split a model over N GPUs (tensor parallelism; "
+                       "default 1); for models larger than one GPU, or faster decoding")
     serve.add_argument("--max-batch", type=int,
                        help="sequences an engine decodes at once (default 32; on CUDA as "
                        "many as the KV cache holds 2048-token sequences for, 32 to 128)")

@@ -112,6 +112,10 @@ class _LiveCollector:
         prefix = GaugeMetricFamily(
             "duet_engine_prefix_cache_tokens", "Tokens of KV kept in the prefix cache (held by "
             "running sequences or evictable)", labels=["model", "engine"])
+        ranks = GaugeMetricFamily(
+            "duet_engine_rank_memory_bytes", "A tensor-parallel engine's memory on each rank's "
+            "device (CUDA allocator; process RSS on the CPU), as the rank last reported",
+            labels=["model", "engine", "rank"])
         for model, engine, worker in self.model_registry.loaded_workers():
             depth.add_metric([model, engine], worker.pending)
             status = worker.status()
@@ -123,7 +127,9 @@ class _LiveCollector:
                 kv_used.add_metric([model, engine], runtime["kv_cache_used_bytes"])
                 kv_size.add_metric([model, engine], runtime["kv_cache_bytes"])
                 prefix.add_metric([model, engine], runtime["prefix_cache_tokens"])
-        yield from (depth, jobs, batch, kv_used, kv_size, prefix)
+                for rank in runtime.get("ranks", ()):
+                    ranks.add_metric([model, engine, str(rank["rank"])], rank["memory_bytes"])
+        yield from (depth, jobs, batch, kv_used, kv_size, prefix, ranks)
         memory = self.process.memory_info()
         yield GaugeMetricFamily(
             "duet_process_resident_memory_bytes", "Resident memory of the server process",

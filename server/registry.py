@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
-from engines.base import Engine, EngineError
+from engines.base import Engine, EngineError, UnsupportedModel
 from engines.factory import (
     ENGINE_NAMES,
     backend_available,
@@ -48,8 +48,10 @@ class BackendEngineFactory:
 
     names = ENGINE_NAMES
 
-    def __init__(self, runtime_options: dict | None = None, **torch_options):
+    def __init__(self, runtime_options: dict | None = None, tensor_parallel: int = 1,
+                 **torch_options):
         self.runtime_options = runtime_options or {}
+        self.tensor_parallel = tensor_parallel  # a model's own in models.toml wins
         self.torch_options = torch_options
 
     def available(self, name: str) -> bool:
@@ -63,6 +65,14 @@ class BackendEngineFactory:
         runtime = dict(self.runtime_options)
         if kv_cache_limit is not None and spec.task == "generate":
             runtime["kv_cache_limit"] = kv_cache_limit
+        # The server's --tensor-parallel is the torch engine's default; a model's own asks it of
+        # whichever engine serves it.
+        ranks = tensor_parallel(spec, self.tensor_parallel if name == "torch" else 1)
+        if ranks > 1:
+            if name != "torch":
+                raise UnsupportedModel(f"tensor parallelism ({ranks} ranks) is the torch "
+                                       f"engine's; the {name} engine serves on one device")
+            options = {**options, "tensor_parallel": ranks}
         return create_engine(
             name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
             task=spec.task, quantize=spec.quantize, runtime_options=runtime, **options,
@@ -90,8 +100,11 @@ class BackendEngineFactory:
         dtype = choose_dtype(spec.dtype, device) if name == "torch" else (
             "float32" if spec.dtype == "float32" else "bfloat16")
         quant = resolve_quantization(spec.quantize, cfg, name)
-        per_token = kv_bytes_per_token(cfg, dtype)
-        return Estimate(weights_bytes(cfg, dtype, quant), per_token, spec.context_length)
+        # The budget is one device's: a model split over ranks takes each rank's share there.
+        ranks = tensor_parallel(spec, self.tensor_parallel) if name == "torch" else 1
+        per_token = kv_bytes_per_token(cfg, dtype) // ranks
+        return Estimate(weights_bytes(cfg, dtype, quant) // ranks, per_token,
+                        spec.context_length)
 
     def default_memory_budget(self) -> int:
         from engines.device import default_memory_budget
@@ -247,7 +260,8 @@ class ModelRegistry:
 
     def held_bytes(self) -> int:
         """What the loaded engines hold: their weights and KV caches."""
-        return sum(w.engine.info.weights_bytes + w.engine.info.kv_cache_bytes
+        return sum((w.engine.info.weights_bytes + w.engine.info.kv_cache_bytes)
+                   // w.engine.info.devices
                    for _, _, w in self.loaded_workers() if w.engine is not None)
 
     async def _fit_budget(self, key: tuple[str, str], spec: ModelSpec) -> int | None:
@@ -339,14 +353,27 @@ class ModelRegistry:
         self._workers.clear()
 
 
-def process_policy(mode: str, device: str) -> Callable[[ModelSpec, str], bool]:
+def tensor_parallel(spec: ModelSpec, server_default: int) -> int:
+    """The ranks a model is split over: its own tensor_parallel, else the server's (generate
+    models only)."""
+    if spec.task != "generate":
+        return 1
+    return spec.tensor_parallel or server_default
+
+
+def process_policy(mode: str, device: str,
+                   tensor_parallel_default: int = 1) -> Callable[[ModelSpec, str], bool]:
     """Whether a model's engine gets a process of its own (--engine-process): generating
     engines only (a classifier runs one request at a time); auto decides by the torch device,
-    found on first use rather than at start-up (it imports torch)."""
+    found on first use rather than at start-up (it imports torch). A tensor-parallel engine
+    always has one: its ranks' processes end with it (torch_engine/ranks.py), never the
+    server."""
 
     def decide(spec: ModelSpec, engine: str) -> bool:
         if spec.task != "generate":
             return False
+        if engine == "torch" and tensor_parallel(spec, tensor_parallel_default) > 1:
+            return True
         if mode != "auto":
             return wants_process(mode, device)
         if not backend_available("torch"):

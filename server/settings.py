@@ -99,6 +99,11 @@ class Settings(BaseSettings):
         "twice); loading another unloads the least recently used idle one, or answers 503 "
         "while all are busy (default: no bound)",
     )
+    tensor_parallel: int = Field(
+        1, ge=1, le=64, description="torch engine: split each generate model over this many "
+        "GPUs, one process a GPU (tensor parallelism over NCCL); a model's tensor_parallel in "
+        "models.toml overrides it",
+    )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto", description="Run each generating engine in a process of its own, so the HTTP "
         "side never holds up its steps (auto: on CUDA)",

@@ -64,10 +64,20 @@ class ModelSpec(BaseModel):
             "BERT sentence-embedding model (sentence-transformers' layout) for /v1/embeddings"
         ),
     )
+    tensor_parallel: int | None = Field(
+        None, ge=1, le=64,
+        description=(
+            "torch engine, generate models: split the model over this many GPUs (tensor "
+            "parallelism, NCCL; on the CPU ranks over gloo); default: the server's "
+            "--tensor-parallel (1)"
+        ),
+    )
     description: str = ""
 
     @model_validator(mode="after")
     def _task_rules(self) -> "ModelSpec":
+        if (self.tensor_parallel or 1) > 1 and (self.task != "generate" or self.engine == "mlx"):
+            raise ValueError("tensor_parallel is for generate models on the torch engine")
         if self.task == "classify" and self.engine == "mlx":
             raise ValueError("task 'classify' models run on the torch engine: set engine to "
                              "torch or auto")

@@ -108,3 +108,21 @@ def test_repository_embedding_model_is_a_zip_in_its_package():
     spec = next(s for s in load_models_file(REPO_MODELS_FILE) if s.task == "embed")
     assert spec.id == "all-minilm-l6-v2" and spec.source == "package:all_minilm_l6_v2/model.zip"
     assert find_package_file(spec.source_ref).name == "model.zip"
+
+
+def test_tensor_parallel_is_for_generate_models_on_the_torch_engine(tmp_path):
+    from server.registry import process_policy, tensor_parallel
+
+    (spec,) = load_models_file(write(tmp_path, GOOD + "tensor_parallel = 2\n"))
+    assert tensor_parallel(spec, 1) == 2
+    (plain,) = load_models_file(write(tmp_path, GOOD))
+    assert tensor_parallel(plain, 1) == 1 and tensor_parallel(plain, 4) == 4  # the server's
+    # Its ranks' processes end with the engine's own process, never with the server.
+    decide = process_policy("off", "cpu")
+    assert decide(spec, "torch") and not decide(plain, "torch")
+    assert process_policy("off", "cpu", tensor_parallel_default=2)(plain, "torch")
+    for line in ('engine = "mlx"\n', 'task = "embed"\n'):
+        with pytest.raises(ConfigError, match="tensor_parallel is for generate models"):
+            load_models_file(write(tmp_path, GOOD + "tensor_parallel = 2\n" + line))
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        load_models_file(write(tmp_path, GOOD + "tensor_parallel = 0\n"))

@@ -1,6 +1,7 @@
 """Models loaded on first use, kept for their keep_alive, unloaded when idle, by request or to
 make room under --max-loaded-models (server/registry.py, server/residency.py)."""
 
+import dataclasses
 import threading
 import time
 
@@ -160,6 +161,25 @@ def test_a_model_that_does_not_fit_the_budget_unloads_the_least_recently_used(ma
         memory = client.get("/health").json()["memory"]
         assert memory == {"budget_bytes": 1_000_000, "held_bytes": 601_000,
                           "by_engine": {"other/torch": 601_000}}
+
+
+class SplitFactory(CountingFactory):
+    """Engines spread over two devices, as a tensor-parallel one is."""
+
+    def create(self, name, spec, kv_cache_limit=None):
+        engine = super().create(name, spec, kv_cache_limit)
+        engine.info = dataclasses.replace(engine.info, devices=2)
+        return engine
+
+
+def test_the_budget_counts_one_device_of_an_engine_spread_over_two(make):
+    """The budget is one device's memory: an engine over two holds half its bytes on each."""
+    factory = SplitFactory(weights_bytes=1000, kv_bytes=600_000)
+    with make(factory=factory, memory_budget=1_000_000) as client:
+        assert chat(client).status_code == 200
+        assert client.app.state.registry.held_bytes() == 601_000 // 2
+        assert chat(client, "other").status_code == 200  # 300,500 + 513,000 fits: both stay
+        assert card(client)["loaded"] is True and factory.loads == ["tiny", "other"]
 
 
 def test_the_budget_shrinks_a_kv_cache_to_what_is_left(make):
