@@ -33,6 +33,14 @@ SHAPES: dict[str, dict] = {
         rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
         rms_norm_eps=1e-5,
     ),
+    # 141 GB of weights in bf16: more than one GPU holds; for tensor parallelism's benchmarks.
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
     "qwen2.5-0.5b": dict(
         architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Tensor parallelism through the server: one model on one GPU against the same model split over
+N GPUs (`--tensor-parallel N`), in one run, and a model one GPU cannot hold.
+
+For each configuration MODEL@RANKS it starts `duet serve --model MODEL --tensor-parallel RANKS`,
+warms it up, then runs each client level --repeats times (N clients, each streaming one
+completion of --max-tokens tokens after a --prompt-tokens prompt, greedy, end of sequence
+ignored), and stops the server. Prints the median aggregate tok/s per configuration and level,
+each split configuration's ratio to the same model on one GPU, and the bandwidth floor of a
+batch-1 step: the weights one rank reads per token over its GPU's memory bandwidth (what no
+batch-1 decode beats). Writes JSON under docs/bench/.
+
+  python scripts/bench_tensor_parallel.py \\
+      --configs dummy-llama-3.1-8b@1,dummy-llama-3.1-8b@2,dummy-llama-3.1-70b@2 --clients 1,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from bench_concurrency import run_level, start_server, write_result  # noqa: E402
+
+# Peak memory bandwidth by GPU name (vendors' figures, bytes/s): the floor's denominator.
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def gpu() -> tuple[str, float | None]:
+    """The first GPU's name and bandwidth, from nvidia-smi: this process keeps off the GPUs
+    (a CUDA context would take memory a large model's rank needs)."""
+    import subprocess
+
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "cpu", None
+    name = f"{len(names)}x {names[0]}" if names else "cpu"
+    return name, next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+
+
+def rank_weight_bytes(model_id: str, ranks: int) -> int:
+    """Bytes of weights one rank reads a decode step in bf16: its share of every layer, the
+    whole vocabulary projection and norms (the embedding is only looked up)."""
+    from engines.models.config import load_models_file
+    from engines.models.sources import resolve_model_dir
+
+    spec = next(s for s in load_models_file(ROOT / "models.toml") if s.id == model_id)
+    cfg = json.loads((resolve_model_dir(spec) / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    return 2 * (layers * per_layer // ranks + cfg["vocab_size"] * h)
+
+
+def run_config(args, model: str, ranks: int, levels: list[int]) -> dict:
+    started = time.time()
+    serve = argparse.Namespace(**{**vars(args), "model": model,
+                                  "serve_args": ["--tensor-parallel", str(ranks), *args.serve_args],
+                                  "engine": "torch",
+                                  "server_log": f"{args.server_log}-{model}@{ranks}.log"})
+    proc, url = start_server(serve)
+    ready_s = time.time() - started
+    out = {"model": model, "ranks": ranks, "ready_s": round(ready_s, 1), "levels": {}}
+    try:
+        import httpx
+
+        health = httpx.get(url + "/health", timeout=10).json()
+        out["health"] = health
+        for n in levels:  # a short warm-up round per level: the first batch of a size is cold
+            run_level(url, model, n, args.prompt_tokens, 16, "torch", args.client_procs)
+        for n in levels:
+            runs = [run_level(url, model, n, args.prompt_tokens, args.max_tokens, "torch",
+                              args.client_procs) for _ in range(args.repeats)]
+            tok_s = [r["aggregate_tok_s"] for r in runs]
+            out["levels"][n] = {"aggregate_tok_s": statistics.median(tok_s), "runs": tok_s,
+                                "per_client_decode_tok_s_p50": statistics.median(
+                                    r["per_client_decode_tok_s_p50"] for r in runs),
+                                "ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in runs),
+                                "step_ms_at_peak_batch": statistics.median(
+                                    r["step_ms_at_peak_batch"] or 0 for r in runs),
+                                "engine_step_ms_at_peak_batch": statistics.median(
+                                    r["engine_step_ms_at_peak_batch"] or 0 for r in runs)}
+            print(f"{model}@{ranks} {n:>3} clients: {statistics.median(tok_s):,.0f} tok/s "
+                  f"({', '.join(f'{t:,.0f}' for t in tok_s)})", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="dummy-llama-3.1-8b@1,dummy-llama-3.1-8b@2",
+                        help="MODEL@RANKS, comma-separated, run in this order")
+    parser.add_argument("--clients", default="1,64")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--client-procs", type=int, default=8)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--server-log", default="/tmp/duet-bench-server",
+                        help="each configuration's server log: this, then -MODEL@RANKS.log")
+    parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    levels = [int(n) for n in args.clients.split(",")]
+    name, bandwidth = gpu()
+    results = []
+    for config in args.configs.split(","):
+        model, _, ranks = config.partition("@")
+        results.append(run_config(args, model, int(ranks or 1), levels))
+        floor = bandwidth and rank_weight_bytes(model, int(ranks or 1)) / bandwidth
+        results[-1]["batch1_floor_tok_s"] = round(1 / floor, 1) if floor else None
+    one = {r["model"]: r for r in results if r["ranks"] == 1}
+    print(f"\n{name}, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, "
+          f"medians of {args.repeats}")
+    print(f"{'configuration':<28} {'ready s':>8} " + " ".join(f"{n:>10}" for n in levels)
+          + "   vs one GPU      batch-1 floor")
+    for r in results:
+        base = one.get(r["model"]) if r["ranks"] > 1 else None
+        ratios = " ".join(f"{r['levels'][n]['aggregate_tok_s'] / base['levels'][n]['aggregate_tok_s']:.2f}x"
+                          for n in levels) if base else "-"
+        r["vs_one_gpu"] = {n: round(r["levels"][n]["aggregate_tok_s"]
+                                    / base["levels"][n]["aggregate_tok_s"], 3)
+                           for n in levels} if base else None
+        print(f"{r['model'] + '@' + str(r['ranks']):<28} {r['ready_s']:>8} "
+              + " ".join(f"{r['levels'][n]['aggregate_tok_s']:>10,.0f}" for n in levels)
+              + f"   {ratios:<15} {r['batch1_floor_tok_s'] or '-'}")
+    result = {"date": dt.date.today().isoformat(), "device": name,
+              "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "max_batch": args.max_batch,
+              "command": " ".join(sys.argv), "results": results}
+    write_result(args.out or ROOT / "docs" / "bench" / f"tensor-parallel-{result['date']}.json",
+                 result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
