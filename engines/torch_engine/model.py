@@ -210,45 +210,44 @@ class Transformer(nn.Module):
         # with it (ranks.py). Steps are told by the executor.
         self.mirror = None
 
-    @contextmanager
     def scratch_cache(self, max_len: int):
         """A contiguous batch-1 cache for max_len positions, for work outside the runtime's
         pool (scoring, whole-prompt logits), freed afterwards."""
         p = self.model.embed_tokens.weight
+        return self._swapped_caches(
+            lambda attn, _: KVCache(max_len, attn.n_kv, attn.head_dim, p.dtype, p.device),
+            "scratch", max_len)
+
+    def batched_caches(self, prompt_len: int, batch: int, extra: int):
+        """Inside scratch_cache: swap every layer's cache for a batch of copies of its first
+        prompt_len positions, with room for extra more (scoring continuations)."""
+
+        def copies(_, cache: KVCache) -> KVCache:
+            _, heads, _, dim = cache.k.shape
+            out = KVCache(prompt_len + extra, heads, dim, cache.k.dtype, cache.k.device, batch)
+            out.k[:, :, :prompt_len] = cache.k[:, :, :prompt_len]
+            out.v[:, :, :prompt_len] = cache.v[:, :, :prompt_len]
+            return out
+
+        return self._swapped_caches(copies, "batched", prompt_len, batch, extra)
+
+    @contextmanager
+    def _swapped_caches(self, make, what: str, *args):
+        """Every layer's cache replaced by make(attention, its cache) for the block, then put
+        back; the other ranks of a tensor-parallel group are told what (and what_end)."""
         attns = [layer.self_attn for layer in self.model.layers]
         saved = [attn.kv_cache for attn in attns]
         if self.mirror is not None:
-            self.mirror("scratch", max_len)
+            self.mirror(what, *args)
         try:
-            for attn in attns:
-                attn.kv_cache = KVCache(max_len, attn.n_kv, attn.head_dim, p.dtype, p.device)
+            for attn, cache in zip(attns, saved):
+                attn.kv_cache = make(attn, cache)
             yield
         finally:
             for attn, cache in zip(attns, saved):
                 attn.kv_cache = cache
             if self.mirror is not None:
-                self.mirror("scratch_end")
-
-    @contextmanager
-    def batched_caches(self, prompt_len: int, batch: int, extra: int):
-        """Inside scratch_cache: swap every layer's cache for a batch of copies of its first
-        prompt_len positions, with room for extra more (scoring continuations)."""
-        attns = [layer.self_attn for layer in self.model.layers]
-        saved = [a.kv_cache for a in attns]
-        if self.mirror is not None:
-            self.mirror("batched", prompt_len, batch, extra)
-        try:
-            for a, c in zip(attns, saved):
-                _, heads, _, dim = c.k.shape
-                a.kv_cache = KVCache(prompt_len + extra, heads, dim, c.k.dtype, c.k.device, batch)
-                a.kv_cache.k[:, :, :prompt_len] = c.k[:, :, :prompt_len]
-                a.kv_cache.v[:, :, :prompt_len] = c.v[:, :, :prompt_len]
-            yield
-        finally:
-            for a, c in zip(attns, saved):
-                a.kv_cache = c
-            if self.mirror is not None:
-                self.mirror("batched_end")
+                self.mirror(f"{what}_end")
 
     def setup_cache(self, max_len: int) -> None:
         """Allocate the KV cache and rotary tables once, for the whole context."""
