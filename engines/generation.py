@@ -18,6 +18,7 @@ from .base import (
 )
 from .runtime.kv import BlockPool
 from .runtime.plan import RankStatus, StepExecutor
+from .runtime.sizing import KVFacts, RuntimeOptions, RuntimeShape, shape_runtime
 from .runtime.solo import generate_one
 
 
@@ -68,9 +69,9 @@ class PromptSide:
 class GenerationEngine(PromptSide):
     """What every generating engine shares above its step executor.
 
-    A subclass sets name, device, context_length, tokenizer and meter (its facts), calls
-    init_runtime once its KV pool is sized (engines/runtime/sizing.py decides how), and
-    implements executor() (a new StepExecutor over its weights and KV storage). The runtimes
+    A subclass sets name, device, tokenizer and meter, declares its KV facts to
+    start_runtime (engines/runtime/sizing.py decides the pool, the batch and the context from
+    them), allocates the storage it is told to (allocate_kv), and implements executor() (a new StepExecutor over its weights and KV storage). The runtimes
     made over it (the server's loop, a one-off generate()) share the pool and the sequence ids
     and read the batch settings from here. generate() runs one request inline; the server
     batches through engines/runtime/loop.py."""
@@ -85,6 +86,21 @@ class GenerationEngine(PromptSide):
     max_prefill_tokens: int
     prefix_cache: bool  # the server's runtime reuses cached prefixes (where the executor can)
     seq_ids: Iterator[int]
+
+    def start_runtime(self, facts: KVFacts, options: RuntimeOptions) -> RuntimeShape:
+        """Size the runtime from the engine's facts by the runtime's rules (runtime/sizing.py),
+        take its decisions, and have the engine allocate its KV storage for them."""
+        shape = shape_runtime(self.name, facts, options)
+        self.context_length = shape.context_length
+        self.init_runtime(shape.pool, max_batch=shape.max_batch,
+                          max_prefill_tokens=shape.max_prefill_tokens,
+                          prefix_cache=shape.prefix_cache)
+        self.allocate_kv(shape)
+        return shape
+
+    def allocate_kv(self, shape: RuntimeShape) -> None:
+        """Storage on the engine's device for the shape's pool of blocks (nothing to do for
+        an engine whose caches grow as they fill)."""
 
     def init_runtime(self, kv_pool: BlockPool, *, max_batch: int, max_prefill_tokens: int,
                      prefix_cache: bool = True) -> None:

@@ -21,13 +21,7 @@ from ..models.dummy import is_dummy
 from ..models.model_config import attention_window
 from ..quantization import Quantization
 from ..quantization import resolve as resolve_quantization
-from ..runtime.sizing import (
-    describe_pool,
-    fit_context,
-    pool_info,
-    prefill_budget,
-    size_pool,
-)
+from ..runtime.sizing import KVFacts, RuntimeOptions
 from ..tokenizer import ChatTokenizer
 from .executor import MLXExecutor
 from .prompt_cache import PromptCache
@@ -100,16 +94,12 @@ class MLXEngine(GenerationEngine):
                 model_dir, window, window, context_length,
             )
             context_length = window
-        pool, max_batch = size_pool(
-            bytes_per_token=kv_bytes_per_token(config, self.dtype),
-            context_length=context_length, max_batch=max_batch,
-            memory_bytes=kv_cache_memory, free_bytes=None, limit_bytes=kv_cache_limit)
-        # The runtime's account of mlx-lm's caches, which grow in steps of 256 tokens: the
-        # bound holds to within a step per sequence.
-        self.context_length = fit_context(context_length, pool, "mlx")
-        self.init_runtime(pool, max_batch=max_batch,
-                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device),
-                          prefix_cache=prefix_cache)
+        # The pool is the runtime's account of mlx-lm's caches, which grow in steps of 256
+        # tokens (no storage to allocate): the bound holds to within a step per sequence.
+        shape = self.start_runtime(
+            KVFacts(kv_bytes_per_token(config, self.dtype), context_length, self.device),
+            RuntimeOptions(kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
+                           prefix_cache))
         self.tokenizer = ChatTokenizer(model_dir)
         self.meter = MLXMeter()
         self.info = EngineInfo(
@@ -120,14 +110,14 @@ class MLXEngine(GenerationEngine):
             backend_version=f"mlx {mx.__version__}, mlx-lm {_mlx_lm_version()}",
             quantization=self.quantization.describe() if self.quantization else "none",
             weights_bytes=sum(v.nbytes for _, v in tree_flatten(self.model.parameters())),
-            kv_cache_bytes=pool.capacity_bytes,
+            kv_cache_bytes=shape.pool.capacity_bytes,
             memory_measure=self.meter.measures,
-            extra=pool_info(pool, max_batch),
+            extra=shape.info(),
         )
         log.info(
             "mlx engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
             model_dir, self.device, self.dtype, time.perf_counter() - started,
-            describe_pool(pool, max_batch), warm_up(self) + self._warm_up_batching(),
+            shape.describe(), warm_up(self) + self._warm_up_batching(),
         )
 
     def _warm_up_batching(self) -> float:

@@ -1,9 +1,15 @@
 """How big the KV pool and the batch are: the one place these limits are decided, for every
-engine, and how they are reported."""
+engine, and how they are reported.
+
+An engine declares its facts (KVFacts: bytes a token of KV takes, its context, its device and
+the memory free there once its weights loaded); the server's asks come as RuntimeOptions; the
+rules here turn both into the RuntimeShape the engine's runtimes share (the pool, the batch,
+the prefill budget, the context served), for which the engine only allocates storage."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from .kv import BlockPool
 
@@ -29,6 +35,58 @@ FREE_MEMORY_SHARE = 0.5
 CUDA_FREE_MEMORY_SHARE = 0.8
 AUTO_SEQUENCE_TOKENS = 2048
 CUDA_MAX_BATCH = 128
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What the server asks of a generating engine's runtime: --kv-cache-memory, the most the
+    memory budget leaves (kv_cache_limit), --max-batch, --max-prefill-tokens,
+    --no-prefix-cache. None: the device's default."""
+
+    kv_cache_memory: int | None = None
+    kv_cache_limit: int | None = None
+    max_batch: int | None = None
+    max_prefill_tokens: int | None = None
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class KVFacts:
+    """What an engine declares for its runtime to be sized."""
+
+    bytes_per_token: int  # KV bytes a token takes (on each rank, split over several)
+    context_length: int  # the longest prompt plus completion the model is served with
+    device: str
+    # Memory free on the device once the weights loaded; None where the pool's size is not
+    # bounded by it (MLX's caches grow as they fill: the pool is their account).
+    free_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeShape:
+    """The runtime's decisions, which every runtime made over one engine shares."""
+
+    pool: BlockPool
+    max_batch: int
+    max_prefill_tokens: int
+    context_length: int  # the facts' context, or what the pool holds if that is less
+    prefix_cache: bool
+
+    def describe(self) -> str:
+        return describe_pool(self.pool, self.max_batch)
+
+    def info(self) -> dict[str, str]:
+        return pool_info(self.pool, self.max_batch)
+
+
+def shape_runtime(engine: str, facts: KVFacts, options: RuntimeOptions) -> RuntimeShape:
+    pool, max_batch = size_pool(
+        bytes_per_token=facts.bytes_per_token, context_length=facts.context_length,
+        max_batch=options.max_batch, memory_bytes=options.kv_cache_memory,
+        free_bytes=facts.free_bytes, limit_bytes=options.kv_cache_limit, device=facts.device)
+    return RuntimeShape(pool, max_batch,
+                        prefill_budget(options.max_prefill_tokens, facts.device),
+                        fit_context(facts.context_length, pool, engine), options.prefix_cache)
 
 
 def prefill_budget(requested: int | None, device: str) -> int:

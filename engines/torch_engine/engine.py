@@ -23,13 +23,7 @@ from ..device import (
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..quantization import resolve as resolve_quantization
 from ..runtime.plan import RankStatus
-from ..runtime.sizing import (
-    describe_pool,
-    fit_context,
-    pool_info,
-    prefill_budget,
-    size_pool,
-)
+from ..runtime.sizing import KVFacts, RuntimeOptions, RuntimeShape
 from ..tokenizer import ChatTokenizer
 from . import cpu_linear, quant
 from .config import ModelArgs
@@ -97,25 +91,13 @@ class TorchEngine(GenerationEngine):
             weights_bytes += self.ranks.loaded_bytes()
         args = self.model.args
         attn = self.model.model.layers[0].self_attn  # its KV heads: this rank's share
-        per_token = PagedKV.bytes_per_token(args.num_layers, attn.n_kv, args.head_dim,
-                                            torch_dtype(self.dtype))
-        pool, max_batch = size_pool(
-            bytes_per_token=per_token, context_length=context_length, max_batch=max_batch,
-            memory_bytes=kv_cache_memory, free_bytes=free_memory_bytes(self.device),
-            limit_bytes=kv_cache_limit,
-            device=self.device,
-        )
-        self.context_length = fit_context(context_length, pool, "torch")
-        self.model.setup_rope(self.context_length)
-        self.kv = PagedKV(args.num_layers, pool.num_blocks, pool.block_size, attn.n_kv,
-                          args.head_dim, torch_dtype(self.dtype), self.device)
-        self.init_runtime(pool, max_batch=max_batch,
-                          max_prefill_tokens=prefill_budget(max_prefill_tokens, self.device),
-                          prefix_cache=prefix_cache)
-        if self.ranks is not None:
-            self.ranks.build(PoolShape(pool.num_blocks, pool.block_size, self.context_length,
-                                       max_batch))
-        self.decoder = make_decoder(self.model, self.kv, self.device, compile, max_batch)
+        shape = self.start_runtime(
+            KVFacts(PagedKV.bytes_per_token(args.num_layers, attn.n_kv, args.head_dim,
+                                            torch_dtype(self.dtype)),
+                    context_length, self.device, free_memory_bytes(self.device)),
+            RuntimeOptions(kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
+                           prefix_cache))
+        self.decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch)
         self.meter = self._own_meter = memory_meter(self.device)  # own: this rank's
         world = 1
         if self.ranks is not None:
@@ -132,16 +114,16 @@ class TorchEngine(GenerationEngine):
             backend_version=f"torch {torch.__version__}",
             quantization=self.quantization.describe() if self.quantization else "none",
             weights_bytes=weights_bytes,
-            kv_cache_bytes=pool.capacity_bytes * world,
+            kv_cache_bytes=shape.pool.capacity_bytes * world,
             memory_measure=self.meter.measures,
             devices=world,
             extra={"cuda_graphs": str(self.decoder is not None).lower(),
-                   "tensor_parallel": str(world), **pool_info(pool, max_batch)},
+                   "tensor_parallel": str(world), **shape.info()},
         )
         log.info(
             "torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
             model_dir, self.device, self.dtype, time.perf_counter() - started,
-            describe_pool(pool, max_batch), warm_up(self),
+            shape.describe(), warm_up(self),
         )
 
     def _start_ranks(self, model_dir: Path, compile: str, world: int) -> Shard:
@@ -162,6 +144,16 @@ class TorchEngine(GenerationEngine):
                  "GPUs 0-%d" % (world - 1) if kind == "cuda" else "the CPU",
                  "NCCL" if kind == "cuda" else "gloo")
         return Shard(0, world)
+
+    def allocate_kv(self, shape: RuntimeShape) -> None:
+        """The pool's blocks for this rank's KV heads (and the other ranks' for theirs)."""
+        args, attn = self.model.args, self.model.model.layers[0].self_attn
+        self.model.setup_rope(shape.context_length)
+        self.kv = PagedKV(args.num_layers, shape.pool.num_blocks, shape.pool.block_size,
+                          attn.n_kv, args.head_dim, torch_dtype(self.dtype), self.device)
+        if self.ranks is not None:
+            self.ranks.build(PoolShape(shape.pool.num_blocks, shape.pool.block_size,
+                                       shape.context_length, shape.max_batch))
 
     def rank_status(self) -> tuple[RankStatus, ...]:
         if self.ranks is None:

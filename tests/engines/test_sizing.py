@@ -57,3 +57,34 @@ def test_a_limit_bounds_the_default_pool_but_not_an_explicit_one():
     pool, _ = size_pool(bytes_per_token=10, context_length=64, max_batch=None,
                         memory_bytes=5000, free_bytes=None, limit_bytes=1000)
     assert 480 <= pool.capacity_tokens <= 500  # whole blocks of 16
+
+
+def test_an_engine_declares_its_facts_and_allocates_what_the_runtime_decides():
+    """The engine's side is its KV facts and the storage; the pool, the batch, the prefill
+    budget and the context served are decided by the runtime's rules alone."""
+    from engines.generation import GenerationEngine
+    from engines.runtime.sizing import KVFacts, RuntimeOptions
+
+    class Engine(GenerationEngine):
+        name = "probe"
+
+        def __init__(self):
+            self.allocated = []
+
+        def allocate_kv(self, shape):
+            self.allocated.append(shape)
+
+    engine = Engine()
+    # 1,000 bytes a token, 100,000 bytes free on a CUDA device: 80 tokens fit, 5 blocks.
+    shape = engine.start_runtime(KVFacts(1000, 4096, "cuda:0", free_bytes=100_000),
+                                 RuntimeOptions(max_batch=2, prefix_cache=False))
+    assert engine.allocated == [shape]
+    assert (shape.pool.capacity_tokens, shape.max_batch) == (80, 2)
+    assert shape.context_length == engine.context_length == 80  # what the pool holds
+    assert shape.max_prefill_tokens == engine.max_prefill_tokens == 2048  # CUDA's default
+    assert engine.kv_pool is shape.pool and engine.prefix_cache is False
+    # Asked for: the server's numbers win over the device's defaults.
+    shape = Engine().start_runtime(KVFacts(1000, 64, "cpu"),
+                                   RuntimeOptions(kv_cache_memory=640_000, max_prefill_tokens=32))
+    assert (shape.pool.capacity_tokens, shape.context_length, shape.max_prefill_tokens) == \
+        (640, 64, 32)
