@@ -35,6 +35,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_openai_client.py",  # 44
     "tests/e2e/test_embeddings.py",  # 32 (2026-11-23, under load)
     "tests/engines/test_embeddings.py",  # 24 (2026-11-23, under load)
+    "tests/e2e/test_tensor_parallel.py",  # 35 (2026-11-25): the default model over 3 ranks
     "tests/engines/test_tensor_parallel.py",  # 30 (2026-11-25): a rank process per engine
     "tests/engines/test_cuda_kernels.py",  # 22
 )
