@@ -34,11 +34,9 @@ REPORT_S = 0.25  # how often a rank reports its memory to rank 0 while it works
 
 class Rank:
     def __init__(self, spec: RankSpec, conn: Connection):
+        """Its share of the model, in the group main() has joined."""
         self.conn = conn
         self.device = rank_device(spec.device, spec.rank)
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(self.device)
-        join_group(spec)
         import torch.distributed as dist
 
         self.spec = spec
@@ -142,30 +140,53 @@ def main(fd: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(message)s")
     if spec.device == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(rank_device(spec.device, spec.rank))
+    join_group(spec)  # a rank that cannot join ends here, and rank 0's watch sees it
     try:
         rank = Rank(spec, conn)
+    except Exception as exc:
+        _failed(conn, spec.rank, exc)
+        # Nothing collective is under way: rank 0 reads the error and closes this socket,
+        # which is the cue to go (an exit before would read as a rank lost).
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                conn.recv()
+        _exit(1)
+    try:
         conn.send(("loaded", rank.weights_bytes))
         msg = conn.recv()
         if msg[0] == "close":
-            return
+            _exit(0)
         rank.build(msg[1])
+    except (EOFError, OSError):
+        _exit(0)  # rank 0 is gone
+    except Exception as exc:
+        # Rank 0 may be waiting in a collective of its graphs' capture by now: this rank's end
+        # is what frees it (its watch ends the engine's process), the error is in the log.
+        _failed(conn, spec.rank, exc)
+        _exit(1)
+    try:
         conn.send(("built",))
         rank.report(force=True)
-    except Exception as exc:  # rank 0 raises it as the load's error
-        log.exception("rank %d failed to start", spec.rank)
-        try:
-            conn.send(("failed", RuntimeError(f"tensor-parallel rank {spec.rank}: {exc}")))
-        except OSError:
-            pass
-        sys.exit(1)
-    try:
         rank.serve()
     except (EOFError, OSError):
         pass  # rank 0 is gone
+    _exit(0)
+
+
+def _failed(conn: Connection, rank: int, exc: Exception) -> None:
+    """Rank 0 raises it as the load's error."""
+    log.exception("rank %d failed to start", rank)
+    with contextlib.suppress(OSError):
+        conn.send(("failed", RuntimeError(f"tensor-parallel rank {rank}: {exc}")))
+
+
+def _exit(code: int) -> None:
     # No group teardown: NCCL's waits for its peers, which may be gone or going (a close took
     # over 10 s so); the process's end frees what it held.
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -127,11 +127,15 @@ class RankGroup:
             conn.send(RankSpec(**{**spec.__dict__, "rank": rank}))
             self._conns.append(conn)
             self._procs.append(proc)
+        # From here on a rank's end is watched: one that dies while the others wait for it in
+        # a collective (joining the group, a graph's capture, a step) would hold them forever.
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
+                             name=f"tp-rank-{rank}-watch").start()
         join_group(spec)
         import torch.distributed as dist
 
         self.group = dist.group.WORLD
-        self._readers: list[threading.Thread] = []
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -163,11 +167,9 @@ class RankGroup:
 
     def built(self) -> None:
         self._expect("built")
-        self._readers = [threading.Thread(target=self._read, args=(rank, conn), daemon=True,
-                                          name=f"tp-rank-{rank}")
-                         for rank, conn in enumerate(self._conns, start=1)]
-        for reader in self._readers:
-            reader.start()
+        for rank, conn in enumerate(self._conns, start=1):
+            threading.Thread(target=self._read, args=(rank, conn), daemon=True,
+                             name=f"tp-rank-{rank}").start()
 
     # -- running -----------------------------------------------------------------------------
 
@@ -222,10 +224,12 @@ class RankGroup:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                break
+                return  # its end is _watch's to see
             if msg[0] == "report":
                 self._reports[rank] = msg[1]
-        code = self._procs[rank - 1].wait()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
         if not self._closing:
             self.on_lost(rank, code)
 
