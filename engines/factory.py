@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import platform
 from pathlib import Path
 
 from .base import BackendMissing, Embedder, Engine, UnsupportedModel
+from .runtime.sizing import RuntimeOptions
 
 ENGINE_NAMES = ("torch", "mlx")
 # engine -> (module that must be importable, pyproject extra that installs it)
@@ -52,7 +54,7 @@ def create_engine(
     dtype: str = "auto",
     task: str = "generate",
     quantize: str = "auto",
-    runtime_options: dict | None = None,
+    runtime_options: RuntimeOptions | None = None,
     **torch_options,
 ) -> Engine | Embedder:
     """runtime_options (kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
@@ -83,8 +85,13 @@ def create_engine(
         from .torch_engine import TorchEngine
 
         return TorchEngine(model_dir, context_length=context_length, dtype=dtype,
-                           quantize=quantize, **(runtime_options or {}), **torch_options)
+                           quantize=quantize, **_runtime_kwargs(runtime_options), **torch_options)
     from .mlx_engine import MLXEngine
 
     return MLXEngine(model_dir, context_length=context_length, dtype=dtype,
-                     quantize=quantize, **(runtime_options or {}))
+                     quantize=quantize, **_runtime_kwargs(runtime_options))
+
+
+def _runtime_kwargs(options: RuntimeOptions | None) -> dict:
+    """The generating engines' constructors take the server's runtime asks as keywords."""
+    return dataclasses.asdict(options) if options is not None else {}

@@ -12,6 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
 from engines.models.config import load_models_file
+from engines.runtime.sizing import RuntimeOptions
 
 from .auth import APIKeyMiddleware
 from .bench import STATIC_DIR, BenchService
@@ -44,9 +45,10 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     override = {startup_model: settings.engine} if settings.engine else {}
     if factory is None:
         factory = BackendEngineFactory(
-            dict(kv_cache_memory=settings.kv_cache_memory, max_batch=settings.max_batch,
-                 max_prefill_tokens=settings.max_prefill_tokens,
-                 prefix_cache=settings.prefix_cache),
+            RuntimeOptions(kv_cache_memory=settings.kv_cache_memory,
+                           max_batch=settings.max_batch,
+                           max_prefill_tokens=settings.max_prefill_tokens,
+                           prefix_cache=settings.prefix_cache),
             device=settings.device, compile=settings.compile,
             mps_memory_fraction=settings.mps_memory_fraction,
             tensor_parallel=settings.tensor_parallel,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from engines.memory import Estimate
 from engines.models.config import ModelSpec
 from engines.models.sources import resolve_model_dir
 from engines.runtime.process import wants_process
+from engines.runtime.sizing import RuntimeOptions
 
 from .errors import APIError, echo, model_not_found
 from .residency import Residency
@@ -48,9 +50,9 @@ class BackendEngineFactory:
 
     names = ENGINE_NAMES
 
-    def __init__(self, runtime_options: dict | None = None, tensor_parallel: int = 1,
+    def __init__(self, runtime_options: RuntimeOptions | None = None, tensor_parallel: int = 1,
                  **torch_options):
-        self.runtime_options = runtime_options or {}
+        self.runtime_options = runtime_options or RuntimeOptions()
         self.tensor_parallel = tensor_parallel  # a model's own in models.toml wins
         self.torch_options = torch_options
 
@@ -62,9 +64,9 @@ class BackendEngineFactory:
         sizes its own (its default, bounded on a GPU by the memory free once it loaded)."""
         model_dir = resolve_model_dir(spec)
         options = self.torch_options if name == "torch" else {}
-        runtime = dict(self.runtime_options)
+        runtime = self.runtime_options
         if kv_cache_limit is not None and spec.task == "generate":
-            runtime["kv_cache_limit"] = kv_cache_limit
+            runtime = dataclasses.replace(runtime, kv_cache_limit=kv_cache_limit)
         # The server's --tensor-parallel is the torch engine's default; a model's own asks it of
         # whichever engine serves it.
         ranks = tensor_parallel(spec, self.tensor_parallel if name == "torch" else 1)

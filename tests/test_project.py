@@ -1,5 +1,6 @@
 """The set-up promises of the README: scripts, CI, Docker image, console script."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -131,7 +132,7 @@ def test_serve_without_the_prefix_cache_reaches_the_engines_options(monkeypatch)
     real = BackendEngineFactory.__init__
 
     def spy(self, runtime_options=None, **torch_options):
-        made.update(runtime_options or {})
+        made.update(dataclasses.asdict(runtime_options))
         real(self, runtime_options, **torch_options)
 
     monkeypatch.setattr(BackendEngineFactory, "__init__", spy)
