@@ -102,8 +102,10 @@ class BackendEngineFactory:
         dtype = choose_dtype(spec.dtype, device) if name == "torch" else (
             "float32" if spec.dtype == "float32" else "bfloat16")
         quant = resolve_quantization(spec.quantize, cfg, name)
-        # The budget is one device's: a model split over ranks takes each rank's share there.
-        ranks = tensor_parallel(spec, self.tensor_parallel) if name == "torch" else 1
+        # The budget is one device's: a model split over GPUs takes each one's share there; ranks
+        # on the CPU share its RAM, and take it whole.
+        ranks = tensor_parallel(spec, self.tensor_parallel) \
+            if name == "torch" and device.startswith("cuda") else 1
         per_token = kv_bytes_per_token(cfg, dtype) // ranks
         return Estimate(weights_bytes(cfg, dtype, quant) // ranks, per_token,
                         spec.context_length)

@@ -116,7 +116,8 @@ class TorchEngine(GenerationEngine):
             weights_bytes=weights_bytes,
             kv_cache_bytes=shape.pool.capacity_bytes * world,
             memory_measure=self.meter.measures,
-            devices=world,
+            # Ranks on the CPU share its memory: one device, whatever the ranks.
+            devices=world if self.device.startswith("cuda") else 1,
             extra={"cuda_graphs": str(self.decoder is not None).lower(),
                    "tensor_parallel": str(world), **shape.info()},
         )

@@ -126,3 +126,18 @@ def test_tensor_parallel_is_for_generate_models_on_the_torch_engine(tmp_path):
             load_models_file(write(tmp_path, GOOD + "tensor_parallel = 2\n" + line))
     with pytest.raises(ConfigError, match="tensor_parallel"):
         load_models_file(write(tmp_path, GOOD + "tensor_parallel = 0\n"))
+
+
+def test_the_budget_estimate_of_a_split_model_is_one_gpus_share(tmp_path, tiny_dirs, monkeypatch):
+    """Over GPUs each holds its share; ranks on the CPU share its RAM, which holds them all."""
+    from server.registry import BackendEngineFactory
+
+    text = GOOD.replace("path:/nowhere", f"path:{tiny_dirs['llama'][0]}")
+    (whole,) = load_models_file(write(tmp_path, text + 'dtype = "bfloat16"\n'))
+    (split,) = load_models_file(write(tmp_path, text + 'dtype = "bfloat16"\ntensor_parallel = 2\n'))
+    factory = BackendEngineFactory(device="cpu")
+    assert factory.estimate("torch", split) == factory.estimate("torch", whole)
+    monkeypatch.setattr(factory, "_device", lambda: "cuda:0")
+    one, two = factory.estimate("torch", whole), factory.estimate("torch", split)
+    assert (two.weights_bytes, two.kv_bytes_per_token) == \
+        (one.weights_bytes // 2, one.kv_bytes_per_token // 2)
