@@ -147,11 +147,11 @@ def main(fd: int) -> None:
         rank = Rank(spec, conn)
     except Exception as exc:
         _failed(conn, spec.rank, exc)
-        # Nothing collective is under way: rank 0 reads the error and closes this socket,
-        # which is the cue to go (an exit before would read as a rank lost).
+        # Nothing collective is under way: rank 0 reads the error and closes the group, which
+        # is the cue to go (an exit before would read as a rank lost).
         with contextlib.suppress(EOFError, OSError):
-            while True:
-                conn.recv()
+            while conn.recv()[0] != "close":
+                pass
         _exit(1)
     try:
         conn.send(("loaded", rank.weights_bytes))
