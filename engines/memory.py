@@ -34,9 +34,11 @@ def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * _FLOAT_BYTES.get(dtype, 2)
 
 
-def weights_bytes(cfg: dict, dtype: str, quant: Quantization | None) -> int:
+def weights_bytes(cfg: dict, dtype: str, quant: Quantization | None, ranks: int = 1) -> int:
     """A Llama-family model's weights in dtype, its linear layers in quant's format (with
-    their scales); the embedding stays in dtype, and an int4 model's head is int8."""
+    their scales); the embedding stays in dtype, and an int4 model's head is int8. ranks > 1:
+    one rank's of a tensor-parallel split (its share of the layers, the embedding and the
+    head whole)."""
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -48,7 +50,7 @@ def weights_bytes(cfg: dict, dtype: str, quant: Quantization | None) -> int:
     embed = vocab * hidden * size
     tied = cfg.get("tie_word_embeddings", False)
     if quant is None:
-        return embed + layers * per_layer * size + (0 if tied else vocab * hidden * size)
+        return embed + layers * per_layer * size // ranks + (0 if tied else vocab * hidden * size)
     body = {"int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / quant.group_size}[quant.format]
     head = 1.0 if quant.format == "int4" else body
-    return int(embed + layers * per_layer * body + vocab * hidden * head)
+    return int(embed + layers * per_layer * body / ranks + vocab * hidden * head)

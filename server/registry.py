@@ -107,8 +107,7 @@ class BackendEngineFactory:
         ranks = tensor_parallel(spec, self.tensor_parallel) \
             if name == "torch" and device.startswith("cuda") else 1
         per_token = kv_bytes_per_token(cfg, dtype) // ranks
-        return Estimate(weights_bytes(cfg, dtype, quant) // ranks, per_token,
-                        spec.context_length)
+        return Estimate(weights_bytes(cfg, dtype, quant, ranks), per_token, spec.context_length)
 
     def default_memory_budget(self) -> int:
         from engines.device import default_memory_budget

@@ -130,6 +130,8 @@ def test_tensor_parallel_is_for_generate_models_on_the_torch_engine(tmp_path):
 
 def test_the_budget_estimate_of_a_split_model_is_one_gpus_share(tmp_path, tiny_dirs, monkeypatch):
     """Over GPUs each holds its share; ranks on the CPU share its RAM, which holds them all."""
+    import json
+
     from server.registry import BackendEngineFactory
 
     text = GOOD.replace("path:/nowhere", f"path:{tiny_dirs['llama'][0]}")
@@ -139,5 +141,8 @@ def test_the_budget_estimate_of_a_split_model_is_one_gpus_share(tmp_path, tiny_d
     assert factory.estimate("torch", split) == factory.estimate("torch", whole)
     monkeypatch.setattr(factory, "_device", lambda: "cuda:0")
     one, two = factory.estimate("torch", whole), factory.estimate("torch", split)
-    assert (two.weights_bytes, two.kv_bytes_per_token) == \
-        (one.weights_bytes // 2, one.kv_bytes_per_token // 2)
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+    # Each GPU holds half of the layers, and the embedding and head whole.
+    model = json.loads((tiny_dirs["llama"][0] / "config.json").read_text())
+    whole_tables = 2 * model["vocab_size"] * model["hidden_size"] * 2  # untied, bf16
+    assert two.weights_bytes == (one.weights_bytes - whole_tables) // 2 + whole_tables
