@@ -1,6 +1,6 @@
 """End to end: the default model split over three ranks of the CPU (its 9 heads, 3 KV heads and
 1,536 MLP units divide by 3) answers the openai client as the same model on one does, streamed
-and not, and /health and /metrics show its ranks."""
+and not, classifies as it does, and /health and /metrics show its ranks."""
 
 import openai
 import pytest
@@ -53,3 +53,19 @@ def test_a_split_model_answers_as_the_whole_one(server):
     assert len({r["pid"] for r in ranks}) == 3 and all(r["memory_bytes"] > 0 for r in ranks)
     metrics = httpx.get(server.url + "/metrics").text
     assert f'duet_engine_rank_memory_bytes{{engine="torch",model="{SPLIT}",rank="2"}}' in metrics
+
+
+def test_a_split_model_classifies_as_the_whole_one(server):
+    """Zero-shot classification scores prompts outside the runtime's steps: every rank runs
+    those forwards too."""
+    import httpx
+
+    def classify(model):
+        body = {"model": model, "input": ["I loved it.", "A dull, tiresome film."],
+                "labels": ["positive", "negative"]}
+        resp = httpx.post(server.url + "/v1/classifications", json=body, timeout=300)
+        assert resp.status_code == 200, resp.text
+        return [[s["probability"] for s in d["scores"]] for d in resp.json()["data"]]
+
+    for whole, split in zip(classify(MODEL), classify(SPLIT)):
+        assert max(abs(a - b) for a, b in zip(whole, split)) < 1e-4
