@@ -30,7 +30,7 @@ from .config import ModelArgs
 from .executor import TorchExecutor
 from .loader import load_model, read_config
 from .paged import PagedKV
-from .ranks import PoolShape
+from .ranks import REPORT_S, PoolShape
 from .tensor_parallel import Shard, check_splits
 
 log = logging.getLogger("duet.engines.torch")
@@ -42,9 +42,9 @@ COMPILE_MODES = ("auto", "on", "off")  # auto/on: CUDA graphs on CUDA
 class TorchEngine(GenerationEngine):
     name = "torch"
     ranks = None  # the other ranks under tensor parallelism (ranks.RankGroup)
+    _own_read = float("-inf")  # when rank_status() last read this rank's memory
 
     def __init__(self, model_dir: str | Path, **options):
-        self.ranks = None
         try:
             self._load(model_dir, **options)
         except BaseException:
@@ -76,24 +76,23 @@ class TorchEngine(GenerationEngine):
             configure_mps(mps_memory_fraction)
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, not '{compile}'")
-        self.quantization = resolve_quantization(quantize, read_config(model_dir), "torch")
+        cfg = read_config(model_dir)
+        self.quantization = resolve_quantization(quantize, cfg, "torch")
         self.dtype = choose_decode_dtype(dtype, self.device)
         if dtype == "auto":
             log.info("dtype auto on %s: %s", self.device, self.dtype)
         shard = None
         if tensor_parallel > 1:
-            shard = self._start_ranks(model_dir, compile, tensor_parallel)
+            shard = self._start_ranks(model_dir, ModelArgs.from_hf(cfg), compile,
+                                      tensor_parallel)
         self.model = load_model(model_dir, torch_dtype(self.dtype), self.device, shard,
                                 self.ranks.group if self.ranks else None)
         weights_bytes = prepare_weights(self.model, self.quantization, self.device, compile,
                                         self.dtype)
         if self.ranks is not None:
             weights_bytes += self.ranks.loaded_bytes()
-        args = self.model.args
-        attn = self.model.model.layers[0].self_attn  # its KV heads: this rank's share
         shape = self.start_runtime(
-            KVFacts(PagedKV.bytes_per_token(args.num_layers, attn.n_kv, args.head_dim,
-                                            torch_dtype(self.dtype)),
+            KVFacts(PagedKV.model_bytes_per_token(self.model, torch_dtype(self.dtype)),
                     context_length, self.device, free_memory_bytes(self.device)),
             RuntimeOptions(kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
                            prefix_cache))
@@ -127,7 +126,7 @@ class TorchEngine(GenerationEngine):
             shape.describe(), warm_up(self),
         )
 
-    def _start_ranks(self, model_dir: Path, compile: str, world: int) -> Shard:
+    def _start_ranks(self, model_dir: Path, args: ModelArgs, compile: str, world: int) -> Shard:
         """Start the other ranks of a tensor-parallel group (ranks.py); this engine is rank 0."""
         from .ranks import RankGroup, RankSpec, rank_device
 
@@ -137,7 +136,7 @@ class TorchEngine(GenerationEngine):
         if kind == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor parallelism over {world} ranks needs {world} GPUs; "
                              f"{torch.cuda.device_count()} are visible")
-        check_splits(ModelArgs.from_hf(read_config(model_dir)), world)
+        check_splits(args, world)
         self.device = rank_device(kind, 0)
         self.ranks = RankGroup(RankSpec(str(model_dir), self.dtype, kind, compile,
                                         self.quantization, 0, world, ""))
@@ -148,10 +147,9 @@ class TorchEngine(GenerationEngine):
 
     def allocate_kv(self, shape: RuntimeShape) -> None:
         """The pool's blocks for this rank's KV heads (and the other ranks' for theirs)."""
-        args, attn = self.model.args, self.model.model.layers[0].self_attn
         self.model.setup_rope(shape.context_length)
-        self.kv = PagedKV(args.num_layers, shape.pool.num_blocks, shape.pool.block_size,
-                          attn.n_kv, args.head_dim, torch_dtype(self.dtype), self.device)
+        self.kv = PagedKV.for_model(self.model, shape.pool.num_blocks, shape.pool.block_size,
+                                    torch_dtype(self.dtype), self.device)
         if self.ranks is not None:
             self.ranks.build(PoolShape(shape.pool.num_blocks, shape.pool.block_size,
                                        shape.context_length, shape.max_batch))
@@ -159,9 +157,12 @@ class TorchEngine(GenerationEngine):
     def rank_status(self) -> tuple[RankStatus, ...]:
         if self.ranks is None:
             return ()
-        own = RankStatus(0, os.getpid(), device_memory_bytes(self.device),
-                         self._own_meter.peak_bytes())
-        return (own, *self.ranks.status())
+        now = time.monotonic()
+        if now - self._own_read >= REPORT_S:  # the other ranks' come as they report
+            self._own_read = now
+            self._own_status = RankStatus(0, os.getpid(), device_memory_bytes(self.device),
+                                          self._own_meter.peak_bytes())
+        return (self._own_status, *self.ranks.status())
 
     def executor(self, *, prefix_cache: bool = False) -> TorchExecutor:
         # The KV lives in the pool's blocks: their reuse is the scheduler's.

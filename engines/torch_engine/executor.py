@@ -51,11 +51,11 @@ class TorchExecutor:
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
-        if self.ranks is None:
-            return self._launch(plan)
         try:
             return self._launch(plan)
-        except RuntimeError as exc:  # gloo's read error when a rank's process is gone
+        except RuntimeError as exc:  # under tensor parallelism, gloo's when a rank is gone
+            if self.ranks is None:
+                raise
             raise self.ranks.failed(exc) from exc
 
     def _launch(self, plan: StepPlan):

@@ -33,6 +33,19 @@ class PagedKV:
     def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: str) -> PagedKV:
+        """The pool for the KV heads model holds (a tensor-parallel rank's share of them)."""
+        attn = model.model.layers[0].self_attn
+        return cls(model.args.num_layers, num_blocks, block_size, attn.n_kv, attn.head_dim,
+                   dtype, device)
+
+    @classmethod
+    def model_bytes_per_token(cls, model, dtype: torch.dtype) -> int:
+        attn = model.model.layers[0].self_attn
+        return cls.bytes_per_token(model.args.num_layers, attn.n_kv, attn.head_dim, dtype)
+
 
 @dataclass
 class PagedBatch:

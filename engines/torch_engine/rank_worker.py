@@ -24,12 +24,10 @@ from .engine import device_memory_bytes, make_decoder, prepare_weights
 from .executor import prefill_attention
 from .loader import load_model
 from .paged import PagedKV, build_batch
-from .ranks import PoolShape, RankSpec, join_group, rank_device, unslim
+from .ranks import REPORT_S, PoolShape, RankSpec, join_group, rank_device, unslim
 from .tensor_parallel import Shard
 
 log = logging.getLogger("duet.engines.torch")
-
-REPORT_S = 0.25  # how often a rank reports its memory to rank 0 while it works
 
 
 class Rank:
@@ -52,11 +50,9 @@ class Rank:
         self._reported = 0.0
 
     def build(self, shape: PoolShape) -> None:
-        attn = self.model.model.layers[0].self_attn
-        args = self.model.args
         self.model.setup_rope(shape.context_length)
-        self.kv = PagedKV(args.num_layers, shape.num_blocks, shape.block_size, attn.n_kv,
-                          attn.head_dim, torch_dtype(self.spec.dtype), self.device)
+        self.kv = PagedKV.for_model(self.model, shape.num_blocks, shape.block_size,
+                                    torch_dtype(self.spec.dtype), self.device)
         self.decoder = make_decoder(self.model, self.kv, self.device, self.spec.compile,
                                     shape.max_batch, head=False)
 

@@ -38,6 +38,9 @@ from ..runtime.process import EngineProcessError
 
 log = logging.getLogger("duet.engines.torch")
 
+# How often a rank's memory is read while it works: ranks 1..N-1 report it at most this often,
+# and rank 0 reads its own no oftener (the runtime's status is taken after every step).
+REPORT_S = 0.25
 # How long ranks wait for each other to join the group (a rank loading a large shard is still
 # joining within this, since the group is joined before the weights load).
 JOIN_TIMEOUT_S = 600
