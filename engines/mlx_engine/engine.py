@@ -84,6 +84,9 @@ class MLXEngine(GenerationEngine):
             quantize_weights(self.model, self.quantization)
             log.info("weights quantized to %s", self.quantization.describe())
         mx.eval(self.model.parameters())
+        # The logits' width (a padded embedding may be wider than the tokenizer): the batch's
+        # per-row arrays are that wide.
+        self.vocab_size = int(self.model(mx.array([[0]])).shape[-1])
         window = attention_window(config)
         if window is not None and window < context_length:
             # mlx-lm's Llama-family models attend over the whole cache; within the window
@@ -126,9 +129,8 @@ class MLXEngine(GenerationEngine):
         return 0.0 if self.device == "cpu" else warm_up_batching(self)
 
     def executor(self, *, prefix_cache: bool = False) -> MLXExecutor:
-        return MLXExecutor(self.model, max_batch=self.max_batch,
+        return MLXExecutor(self.model, vocab=self.vocab_size, max_batch=self.max_batch,
                            max_prefill_tokens=self.max_prefill_tokens,
-                           context_length=self.context_length,
                            prompt_cache=PromptCache(self.kv_pool) if prefix_cache else None)
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:

@@ -1,11 +1,10 @@
 """The MLX engine's batching paths run once at load.
 
-MLX's CUDA backend compiles kernels the first time a graph needs them, and mlx-lm's
-BatchGenerator needs some only when sequences join a running batch (its caches padded and
-merged) or leave it: on an H200 the first batch of 32 after a one-request warm-up stalled on
-steps of 0.8-0.9 s, and the first prompt joining a running batch on one of 3.4 s. Here that is
-paid at load, not by the first clients that arrive together. The engine runs it on a GPU
-only."""
+MLX's CUDA backend compiles kernels the first time a graph needs them, and a batch needs some
+only when sequences join it (their caches padded and merged), leave it, or sample: on an H200
+the first batch of 32 after a one-request warm-up stalled on steps of 0.8-0.9 s, and the first
+prompt joining a running batch on one of 3.4 s. Here that is paid at load, not by the first
+clients that arrive together. The engine runs it on a GPU only."""
 
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ def warm_up_batching(engine) -> float:
     runtime = Runtime(engine, max_batch=max(3, rows), threaded_output=False)
     executor = runtime.executor
     executor.gather_s = executor.quiet_s = 0.0  # each arrival joins at once
-    executor.lone = False  # the generator's own paths (a lone stream's are the load's warm-up)
     failures: list[BaseException] = []
 
     def emit(event):

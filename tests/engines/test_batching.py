@@ -183,17 +183,16 @@ def counting_inserts(tiny_dirs, gather_s: float, quiet_s: float = 0.0):
     runtime.executor.gather_s = gather_s
     runtime.executor.quiet_s = quiet_s
     calls = []
-    insert = runtime.executor._gen.insert
-    runtime.executor._gen.insert = lambda prompts, **kw: (calls.append(len(prompts)),
-                                                          insert(prompts, **kw))[1]
+    add = runtime.executor._add
+    runtime.executor._add = lambda rows: (calls.append(len(rows)), add(rows))[1]
     return runtime, jobs, expected, calls
 
 
 @pytest.mark.parametrize("gather_s, inserts", [(60.0, 2), (0.0, 4)])
 def test_mlx_prompts_arriving_while_others_decode_join_together(tiny_dirs, gather_s, inserts):
-    """Each BatchGenerator.insert is a prefill and a merge into the running batch: prompts that
-    arrive one a step while a batch runs are gathered (up to gather_s) and inserted at once,
-    and still get their solo tokens."""
+    """Each join is a merge of caches into the running batch: prompts that arrive one a step
+    while a batch runs are gathered (up to gather_s) and join at once, and still get their
+    solo tokens."""
     runtime, jobs, expected, calls = counting_inserts(tiny_dirs, gather_s)
     got, _ = run_together(runtime, jobs, join_at=[0, 2, 3, 4])
     assert got == expected
@@ -211,10 +210,9 @@ def test_mlx_gathered_prompts_join_at_the_first_step_without_a_newcomer(tiny_dir
 
 
 def test_an_idle_mlx_generator_holds_a_burst_until_it_goes_quiet(tiny_dirs):
-    """The head of a burst reaching an idle generator is not inserted alone: prompts keep
-    gathering while they come less than quiet_s apart (here: forever), and join at once when
-    the batch is full; then a lone prompt is taken once quiet_s passes without a newcomer (and
-    decoded outside the generator: lone.py)."""
+    """The head of a burst reaching an idle batch does not join alone: prompts keep gathering
+    while they come less than quiet_s apart (here: forever), and join at once when the batch
+    is full; then a lone prompt is taken once quiet_s passes without a newcomer."""
     runtime, jobs, expected, calls = counting_inserts(tiny_dirs, 60.0, quiet_s=60.0)
     got, _ = run_together(runtime, jobs, join_at=[0, 1, 1, 3])
     assert got == expected
@@ -222,16 +220,16 @@ def test_an_idle_mlx_generator_holds_a_burst_until_it_goes_quiet(tiny_dirs):
     runtime.executor.quiet_s = 0.01
     started = time.perf_counter()
     got, _ = run_together(runtime, jobs[:1])
-    assert got == expected[:1] and calls == [4]
+    assert got == expected[:1] and calls == [4, 1]
     assert time.perf_counter() - started >= 0.01
 
 
 def test_mlx_prompts_arriving_together_join_at_once_and_prefill_within_the_budget(
         tiny_dirs, monkeypatch):
     """The scheduler hands an MLX engine every prompt that fits at once, whatever the step's
-    prefill budget (one insert: one prefill and one merge for them all, where the budget used
-    to split them into groups that each joined on their own); the generator then prefills them
-    a chunk a step, the budget shared among the prompts being prefilled."""
+    prefill budget (one join: one merge for them all, where the budget used to split them into
+    groups that each joined on their own); the batch then prefills them a chunk a step, the
+    budget shared among the prompts being prefilled."""
     pytest.importorskip("mlx_lm")
     from engines.mlx_engine import MLXEngine
 
@@ -243,11 +241,10 @@ def test_mlx_prompts_arriving_together_join_at_once_and_prefill_within_the_budge
     runtime = Runtime(engine, max_batch=4)
     runtime.executor.min_chunk = 1
     inserts = []
-    insert = runtime.executor._gen.insert
-    runtime.executor._gen.insert = lambda prompts, **kw: (inserts.append(len(prompts)),
-                                                          insert(prompts, **kw))[1]
+    add = runtime.executor._add
+    runtime.executor._add = lambda rows: (inserts.append(len(rows)), add(rows))[1]
     shapes = []
-    model_class = type(runtime.executor._gen.model)
+    model_class = type(runtime.executor._model)
     forward = model_class.__call__
     monkeypatch.setattr(model_class, "__call__",
                         lambda self, inputs, *a, **kw: (shapes.append(inputs.shape),
@@ -302,32 +299,33 @@ def test_the_mlx_warm_up_runs_a_join_a_sampled_row_and_a_leave(tiny_dirs, monkey
     leave and of a wide prefill the first time they run: the warm-up at load (on a GPU) runs
     each once, so the first clients that arrive together do not wait seconds for it."""
     pytest.importorskip("mlx_lm")
-    from mlx_lm.generate import BatchGenerator
-
     from engines.mlx_engine import MLXEngine
+    from engines.mlx_engine.batch import Batch
+    from engines.mlx_engine.executor import MLXExecutor
     from engines.mlx_engine.warm_up import warm_up_batching
 
     engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32")
     calls = []
-    insert, remove = BatchGenerator.insert, BatchGenerator.remove
+    add, remove = MLXExecutor._add, Batch.remove
 
-    def counting_insert(self, prompts, **kw):
-        sampled = sum(s is not None for s in kw["samplers"])
-        calls.append(("insert", sorted(map(len, prompts)), len(self._generation_batch), sampled))
-        return insert(self, prompts, **kw)
+    def counting_add(self, rows):
+        calls.append(("join", sorted(len(r.tokens) for r in rows), len(self._batch),
+                      sum(not r.sampling.greedy for r in rows)))
+        return add(self, rows)
 
-    def counting_remove(self, uids, **kw):
-        calls.append(("remove", len(uids), len(self._generation_batch)))
-        return remove(self, uids, **kw)
+    def counting_remove(self, seq_ids):
+        left = remove(self, seq_ids)
+        if left:
+            calls.append(("leave", len(left), len(self) + len(left)))
+        return left
 
-    monkeypatch.setattr(BatchGenerator, "insert", counting_insert)
-    monkeypatch.setattr(BatchGenerator, "remove", counting_remove)
+    monkeypatch.setattr(MLXExecutor, "_add", counting_add)
+    monkeypatch.setattr(Batch, "remove", counting_remove)
     assert warm_up_batching(engine) > 0
     # One prompt alone, then two of other lengths (one sampled) joining it while it decodes.
-    assert calls[:2] == [("insert", [5], 0, 0), ("insert", [3, 9], 1, 1)]
-    removes = [c for c in calls if c[0] == "remove"]
-    assert removes and removes[0][2] == 3  # the first leaves while the other two run
+    assert calls[:2] == [("join", [5], 0, 0), ("join", [3, 9], 1, 1)]
+    leaves = [c for c in calls if c[0] == "leave"]
+    assert leaves and leaves[0][2] == 3  # the first leaves while the other two run
     # Then a wider prefill at once, as a burst of clients brings.
     rows = min(8, engine.max_batch)
-    assert ("insert", [64] * rows, 0, 0) in calls, calls
-    assert engine.kv_pool.used_blocks == 0
+    assert ("join", [64] * rows, 0, 0) in calls, calls

@@ -72,24 +72,46 @@ def test_min_p_of_one_keeps_only_the_likeliest_token(tiny_dirs, kind):
     assert [s.token_id for s in got[1]] != likeliest  # without it, this seed strays
 
 
-def test_mlx_row_processor_keeps_the_rule_as_its_row_grows():
-    """The MLX row processor counts only each call's new tokens (state on the device): over
-    a long row whose context grows by one token a call, after a first call with the whole
-    prompt and a resumed completion, it gives what the rule computes from the whole history."""
+def test_mlx_batch_processing_keeps_the_rule_as_rows_grow_join_and_leave():
+    """The MLX batch keeps its rows' penalty state on the device, counting each step's sampled
+    tokens only: over 120 steps of rows with different processing (one resumed with a
+    completion so far), a row joining midway and another leaving, each row's processed logits
+    are what the rule computes from that row's whole history."""
     mx = pytest.importorskip("mlx.core")
-    from engines.mlx_engine.sampling import make_processor
+    from engines.mlx_engine.sampling import BatchRows, Row
     from engines.processing import Processing
+    from engines.runtime.plan import RowSampling
 
     rng = np.random.default_rng(0)
-    vocab, prompt_len = 50, 12
-    params = CASES["all"]
-    processor = make_processor(Processing.of(params), prompt_len)
-    context = [int(t) for t in rng.integers(0, vocab, prompt_len + 3)]  # 3 generated before
+    vocab = 50
+
+    def row(seq_id, params, prompt_len, done=0):
+        prompt = [int(t) for t in rng.integers(0, vocab, prompt_len)]
+        generated = [int(t) for t in rng.integers(0, vocab, done)]
+        processing = Processing.of(params)
+        sampling = RowSampling.of(params, 0, processing)
+        history = (prompt, generated) if processing is not None else None
+        return Row.of(seq_id, sampling, 0, history), params, prompt, generated
+
+    live = [row(0, CASES["all"], 12, done=3), row(1, greedy(), 5),
+            row(2, CASES["presence"], 7)]
+    batch = BatchRows(vocab, [r for r, *_ in live])
     for step in range(120):
-        logits = rng.normal(0, 3, (1, vocab)).astype(np.float32)
-        got = np.array(processor(mx.array(context, dtype=mx.int32), mx.array(logits)))[0]
-        want = processing_rule(logits[0].astype(np.float64), params, context[:prompt_len],
-                               context[prompt_len:])
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=f"step {step}")
+        if step == 40:
+            joining = row(3, CASES["repetition"], 9, done=2)
+            batch.extend(BatchRows(vocab, [joining[0]]))
+            live.append(joining)
+        if step == 70:
+            batch.filter([0, 2, 3])
+            del live[1]
+        logits = rng.normal(0, 3, (len(live), vocab)).astype(np.float32)
+        got = np.array(batch.process(mx.array(logits)))
+        for i, (_, params, prompt, generated) in enumerate(live):
+            want = processing_rule(logits[i].astype(np.float64), params, prompt, generated)
+            np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-4,
+                                       err_msg=f"step {step}, row {i}")
         # Repeats matter to the frequency penalty: draw from a few tokens now and then.
-        context.append(int(rng.integers(0, 5 if step % 3 else vocab)))
+        tokens = [int(rng.integers(0, 5 if step % 3 else vocab)) for _ in live]
+        batch.took(mx.array(tokens, dtype=mx.uint32))
+        for (_, _, _, generated), token in zip(live, tokens):
+            generated.append(token)

@@ -16,7 +16,6 @@ from engines.runtime.plan import RowSampling, ScheduledSeq
 
 V = 24
 N = 20_000
-N_ONE_BY_ONE = 5_000  # MLX draws made one sampler call at a time
 LOGITS = np.random.default_rng(7).normal(0.0, 1.6, V).astype(np.float32)
 
 CASES = [  # (temperature, top_k, top_p)
@@ -86,29 +85,19 @@ def torch_draws(params: SamplingParams, vary: str = "draws") -> np.ndarray:
     return picked.numpy()
 
 
-def mlx_draws(params: SamplingParams, vary: str = "rows") -> np.ndarray:
-    """vary="rows": one draw over N identical rows (MLX draws each row on its own), which
-    checks the filters quickly; "draws" and "seeds" call the sampler N_ONE_BY_ONE times, as
-    the engine does, one row at a time (about 0.4 ms a call on this CPU: fewer draws, and a
-    few of those cases, are enough to see draws or seeds that repeat or lean)."""
+def mlx_sample(logits: np.ndarray, rows: list) -> np.ndarray:
+    """The MLX engine's batch sampler over logits [B, V], a row each (ScheduledSeq)."""
     mx = pytest.importorskip("mlx.core")
-    from engines.mlx_engine.sampling import make_sampler
+    from engines.mlx_engine.sampling import BatchRows, Row
 
-    # The MLX engine's sampler is fed log-probabilities, as mlx-lm's BatchGenerator hands them.
-    logits = mx.array(LOGITS[None, :])
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if vary == "rows":
-        sample = make_sampler(rows_of(params, 1)[0].sampling)
-        return np.array(sample(mx.broadcast_to(logprobs, (N, V)))).reshape(-1).astype(np.int64)
-    if vary == "draws":
-        sample = make_sampler(rows_of(params, 1)[0].sampling)
-        picked = [sample(logprobs) for _ in range(N_ONE_BY_ONE)]
-    else:
-        picked = [make_sampler(r.sampling, r.draws)(logprobs)
-                  for r in rows_of(params, N_ONE_BY_ONE, vary)]
-    out = mx.concatenate(picked)
-    mx.eval(out)
-    return np.array(out).reshape(-1).astype(np.int64)
+    batch = BatchRows(logits.shape[-1], [Row(r.seq_id, r.sampling, r.draws) for r in rows])
+    return np.array(batch.sample(mx.array(logits))).astype(np.int64)
+
+
+def mlx_draws(params: SamplingParams, vary: str = "draws") -> np.ndarray:
+    """As torch_draws: the whole batch in one call, as the engine samples its rows."""
+    vary = "draws" if vary == "rows" else vary
+    return mlx_sample(np.broadcast_to(LOGITS, (N, V)), rows_of(params, N, vary))
 
 
 DRAWS = {"torch": torch_draws, "mlx": mlx_draws}
@@ -173,12 +162,8 @@ def test_greedy_is_the_argmax(engine):
         rows = torch.randn(50, 1000, generator=torch.Generator().manual_seed(0))
         assert torch.equal(sample_rows(rows, rows_of(params, 50)), rows.argmax(-1))
     else:
-        mx = pytest.importorskip("mlx.core")
-        from engines.mlx_engine.sampling import make_sampler
-
         rows = np.random.default_rng(0).normal(size=(50, 1000)).astype(np.float32)
-        greedy = make_sampler(rows_of(params, 1)[0].sampling)
-        assert np.array_equal(np.array(greedy(mx.array(rows))), rows.argmax(-1))
+        assert np.array_equal(mlx_sample(rows, rows_of(params, 50)), rows.argmax(-1))
 
 
 def test_a_batch_mixing_greedy_and_sampled_rows_gives_each_its_own():
@@ -209,3 +194,30 @@ def test_a_seed_fixes_the_draws_and_another_seed_changes_them(engine):
     first = draws(5)
     assert np.array_equal(first, draws(5))
     assert not np.array_equal(first, draws(6))
+
+
+def test_the_engines_draw_the_same_tokens_from_the_same_logits():
+    """One rule and one noise on both engines (the counter-based uniforms are the same numbers
+    bit for bit): a batch mixing greedy rows, temperatures, min_p, top_k and top_p draws the
+    same tokens on MLX as on torch, each row from its own (seed, draws)."""
+    import torch
+
+    mx = pytest.importorskip("mlx.core")
+    from engines.mlx_engine.sampling import row_uniforms as mlx_uniforms
+    from engines.torch_engine.sampling import row_uniforms, sample_rows
+
+    seeds, draws = [0, 7, 2**63 + 5, 2**64 - 1], [0, 3, 1, 2**31 + 9]
+    signed = [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
+    assert np.array_equal(
+        np.array(mlx_uniforms(seeds, draws, 500)),
+        row_uniforms(torch.tensor(signed), torch.tensor(draws), 500).numpy())
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+                SamplingParams(temperature=0.8, top_k=5, seed=4),
+                SamplingParams(temperature=1.2, top_p=0.7, seed=5),
+                SamplingParams(temperature=0.9, min_p=0.05, seed=6),
+                SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2**64 - 3)]
+    rows = [replace(rows_of(p, 1)[0], seq_id=i, draws=d)
+            for d in range(20) for i, p in enumerate(settings)]
+    logits = np.random.default_rng(5).normal(0.0, 2.0, (len(rows), 300)).astype(np.float32)
+    assert mlx_sample(logits, rows).tolist() == sample_rows(torch.from_numpy(logits),
+                                                            rows).tolist()

@@ -1,7 +1,7 @@
-"""The MLX engine's lone stream (engines/mlx_engine/lone.py): a prompt that finds the generator
-idle decodes outside it, and is handed to the generator with its KV when others join. Every
-request gets what it gets through the generator alone (float32): tokens, seeded draws,
-penalties and logprobs, whether it ran alone, was handed over mid-prefill or mid-decode."""
+"""The MLX engine's batch (engines/mlx_engine/batch.py): a row alone keeps plain KV caches,
+which merge into batch caches when others join and go back to plain ones when it is alone
+again. Every request gets what it gets alone (float32): tokens, seeded draws, penalties and
+logprobs, whether others joined while it prefilled or decoded."""
 
 import pytest
 
@@ -28,16 +28,12 @@ def engine(tiny_dirs):
                      max_prefill_tokens=8)
 
 
-def run(engine, jobs, join_at, *, lone: bool, prefix_cache: bool = False):
-    """Each job's steps (token, logprob, top ids) and how many prompts each generator insert
-    took, the jobs arriving at the given steps."""
+def run(engine, jobs, join_at, *, prefix_cache: bool = False, watch=None):
+    """Each job's steps (token, logprob, top ids), the jobs arriving at the given steps;
+    watch(executor) is called after every step."""
     runtime = Runtime(engine, max_batch=4, threaded_output=False, prefix_cache=prefix_cache)
     executor = runtime.executor
-    executor.lone, executor.gather_s, executor.quiet_s = lone, 0.0, 0.0
-    inserts = []
-    insert = executor._gen.insert
-    executor._gen.insert = lambda prompts, **kw: (inserts.append([len(p) for p in prompts]),
-                                                  insert(prompts, **kw))[1]
+    executor.gather_s, executor.quiet_s = 0.0, 0.0
     got = {i: [] for i in range(len(jobs))}
     done = set()
 
@@ -59,38 +55,43 @@ def run(engine, jobs, join_at, *, lone: bool, prefix_cache: bool = False):
             if join_at[i] == step:
                 runtime.add(Submission(list(prompt), params, emit_for(i)))
         runtime.step()
+        if watch is not None:
+            watch(executor)
         step += 1
         assert step < 500
     runtime.close()
     assert engine.kv_pool.used_blocks == 0
-    return [got[i] for i in range(len(jobs))], inserts
+    return [got[i] for i in range(len(jobs))]
 
 
-def test_a_lone_prompt_never_enters_the_generator_and_decodes_as_there(engine):
-    for job in JOBS:
-        through_generator, inserts = run(engine, [job], [0], lone=False)
-        assert inserts == [[len(job[0])]]
-        alone, inserts = run(engine, [job], [0], lone=True)
-        assert inserts == []
-        assert alone == through_generator
+def plain_caches(executor) -> bool | None:
+    """Whether the decoding rows' caches are mlx-lm's plain ones (None: no row decodes)."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = executor._batch.caches
+    return None if caches is None else type(caches[0]) is KVCache
 
 
 @pytest.mark.parametrize("join_at", [[0, 1, 6], [0, 4, 4], [0, 9, 12]])
-def test_a_lone_stream_handed_over_mid_way_keeps_every_requests_tokens(engine, join_at):
-    """The first job runs alone (its 37-token prompt is prefilled 8 tokens a step): others join
-    while it prefills or decodes, and it goes on in the generator from where it was."""
-    expected = [run(engine, [job], [0], lone=False)[0][0] for job in JOBS]
-    got, inserts = run(engine, JOBS, join_at, lone=True)
+def test_rows_joining_and_leaving_keep_every_requests_tokens(engine, join_at):
+    """The first job starts alone (its 37-token prompt is prefilled 8 tokens a step): others
+    join while it prefills or decodes, and each request gets what it gets alone; a row alone
+    decodes on plain caches, several on batch caches."""
+    expected = [run(engine, [job], [0])[0] for job in JOBS]
+    kinds = []
+    got = run(engine, JOBS, join_at,
+              watch=lambda executor: kinds.append((len(executor._batch.rows),
+                                                   plain_caches(executor))))
     assert got == expected
-    # The lone sequence joined the generator as a prompt of what it had not fed yet: the rest
-    # of its prompt, or the one token it had picked.
-    first = inserts[0][0]
-    assert first < len(JOBS[0][0]) and (first == 1) == (join_at[1] >= 6)
+    assert {plain for rows, plain in kinds if rows == 1} == {True}
+    assert {plain for rows, plain in kinds if rows > 1} == {False}
+    assert kinds[-1][0] <= 1  # the batch went back to one row (or none) as the jobs ended
 
 
-def test_a_lone_stream_gives_its_kv_to_the_prompt_cache(engine):
-    """Its KV is kept when it ends, and the next turn's prompt (its prompt, its answer and a
-    new question) runs alone too, from that prefix, and decodes what a cold prefill gives."""
+def test_a_row_alone_gives_its_kv_to_the_prompt_cache(engine):
+    """A row alone gives its KV to the prompt cache when it ends, and the next turn's prompt
+    (its prompt, its answer and a new question) starts from that prefix and decodes what a
+    cold prefill gives."""
     prompt, params = JOBS[0][0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runtime = Runtime(engine, max_batch=4, threaded_output=False, prefix_cache=True)
     runtime.executor.quiet_s = 0.0
@@ -98,9 +99,9 @@ def test_a_lone_stream_gives_its_kv_to_the_prompt_cache(engine):
     assert stats.cached_tokens == 0
     second_turn = list(prompt) + first + [11, 12, 13]
     warm, stats = generate(runtime, second_turn, params)
-    assert stats.cached_tokens >= len(prompt)  # the first turn's KV, from its lone stream
+    assert stats.cached_tokens >= len(prompt)  # the first turn's KV
     runtime.close()
-    cold, _ = run(engine, [(second_turn, params)], [0], lone=False)
+    cold = run(engine, [(second_turn, params)], [0])
     assert warm == [t for t, _, _ in cold[0]]
 
 
