@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..base import TokenLogprobs
-from .sampling import BatchRows, Row, Scored
+from .sampling import BatchRows, Row, Scored, top_logprobs
 
 
 def _batched(caches: list) -> list:
@@ -71,6 +71,8 @@ class Prefilling:
     unfed: list[int]
     fed: list[int]
     cached: int = 0  # prompt tokens its KV came with from the prompt cache
+    # k for a prompt whose own tokens are scored as they are fed (echo), else None.
+    score_k: int | None = None
 
 
 @dataclass
@@ -125,9 +127,12 @@ class Batch:
     def seq_ids(self) -> list[int]:
         return self.rows.seq_ids + [p.row.seq_id for p in self.prefilling]
 
-    def add(self, row: Row, prompt: Sequence[int], caches: list, cached: int = 0) -> None:
-        """A prompt joins: `caches` (plain, one a layer) hold its first `cached` tokens."""
-        joining = Prefilling(row, list(prompt[cached:]), list(prompt[:cached]), cached)
+    def add(self, row: Row, prompt: Sequence[int], caches: list, cached: int = 0,
+            score_k: int | None = None) -> None:
+        """A prompt joins: `caches` (plain, one a layer) hold its first `cached` tokens. With
+        score_k, each prompt token fed is scored (its log-softmax and the k likeliest) by the
+        logits before it, as the prompt prefills."""
+        joining = Prefilling(row, list(prompt[cached:]), list(prompt[:cached]), cached, score_k)
         self.prefill_caches = _extended(self.prefill_caches, caches) \
             if self.prefilling else caches
         self.prefilling.append(joining)
@@ -162,16 +167,14 @@ class Batch:
                 self.caches = self.inputs = None
         return left
 
-    def step(self) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+    def step(self) -> tuple[dict[int, int], dict[int, TokenLogprobs],
+                            dict[int, tuple[int, list[TokenLogprobs]]]]:
         """Rows done prefilling join the decoding ones; a decode step is queued and the one
-        before it read back; then a prefill chunk. The tokens (and scores) read."""
+        before it read back; then a prefill chunk. The tokens (and scores) read, and the
+        prompt tokens scored by the chunk: seq id -> (the first one's position, scores)."""
         self._join_prefilled()
-        out: tuple[dict, dict] = ({}, {})
-        if len(self.rows):
-            out = self._decode()
-        if self.prefilling:
-            self._prefill_chunk()
-        return out
+        tokens, scored = self._decode() if len(self.rows) else ({}, {})
+        return tokens, scored, (self._prefill_chunk() if self.prefilling else {})
 
     def _join_prefilled(self) -> None:
         done = [i for i, p in enumerate(self.prefilling) if len(p.unfed) == 1]
@@ -232,9 +235,10 @@ class Batch:
         step.landed = landed
         self.rows.read(landed)
 
-    def _prefill_chunk(self) -> None:
+    def _prefill_chunk(self) -> dict[int, tuple[int, list[TokenLogprobs]]]:
         """Every prefilling row's next chunk (all its tokens but the last at most), as one
-        forward of rows right-padded to the longest chunk."""
+        forward of rows right-padded to the longest chunk; the scores of the prompt tokens
+        after each scored row's chunk (each position's logits score the next token)."""
         rows = self.prefilling
         share = max(self.min_chunk, self.prefill_tokens // len(rows))
         chunks = [p.unfed[:min(share, len(p.unfed) - 1)] for p in rows]
@@ -244,11 +248,22 @@ class Batch:
             for c in self.prefill_caches:
                 c.prepare(lengths=[len(c_) for c_ in chunks], right_padding=padding)
         tokens = mx.array([c + [0] * pad for c, pad in zip(chunks, padding)])
-        self.model(tokens, cache=self.prefill_caches)
+        logits = self.model(tokens, cache=self.prefill_caches)
         if any(padding):
             for c in self.prefill_caches:
                 c.finalize()
+        scored = {}
+        for i, (p, chunk) in enumerate(zip(rows, chunks)):
+            if p.score_k is not None:
+                # The chunk's positions score the tokens after them: the rest of the chunk
+                # and the first token not fed yet (the prompt's last at the end).
+                after = chunk[1:] + p.unfed[len(chunk):len(chunk) + 1]
+                lp = logits[i, :len(chunk)].astype(mx.float32)
+                lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+                scored[p.row.seq_id] = (len(p.fed) + 1, lp, after, p.score_k)
         mx.eval([c.state for c in self.prefill_caches])
         for p, chunk in zip(rows, chunks):
             p.fed += chunk
             del p.unfed[:len(chunk)]
+        return {seq_id: (first, top_logprobs(lp, after, k))
+                for seq_id, (first, lp, after, k) in scored.items()}

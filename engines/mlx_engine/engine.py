@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..base import EngineInfo, TokenLogprobs
-from ..classify import Pacer
+from ..base import EngineInfo
 from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..memory import kv_bytes_per_token
 from ..models.dummy import is_dummy
@@ -137,37 +136,6 @@ class MLXEngine(GenerationEngine):
         self.check_fits(len(prompt_ids), 0)
         out = self.model(mx.array([list(prompt_ids)]))
         return np.array(out[0].astype(mx.float32))
-
-    # Prompt positions scored a piece at most: their log-probabilities over the vocabulary are
-    # held at once (256 x 128k float32: 128 MiB). Fewer where the device is slow: a piece is
-    # sized to take about the classifier's piece time (engines/classify.py's Pacer).
-    score_piece_tokens = 256
-
-    def score_prompt(self, prompt_ids: Sequence[int],
-                     k: int) -> Generator[None, None, dict[int, TokenLogprobs]]:
-        """The prompt fed piece by piece through a scratch KV cache, each piece's
-        log-probabilities taken in MLX (float32) and only the asked ones read back (the
-        default's whole-prompt float64 copy of the logits and a sort of the vocabulary a
-        position took 2 GB and seconds for a 2,048-token prompt of a 128k vocabulary); the
-        batch takes a step between two pieces."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from .sampling import top_logprobs
-
-        self.check_fits(len(prompt_ids), 0)
-        ids = list(prompt_ids)
-        cache = make_prompt_cache(self.model)
-        out: dict[int, TokenLogprobs] = {}
-        # Position p's score comes from the logits after token p - 1: the last token is not fed.
-        pacer = Pacer(most=self.score_piece_tokens)
-        for a, b in pacer.spans(len(ids) - 1):
-            if a:
-                yield
-            with pacer.piece(b - a):
-                logits = self.model(mx.array([ids[a:b]]), cache=cache)[0].astype(mx.float32)
-                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                out.update(enumerate(top_logprobs(lp, ids[a + 1:b + 1], k), a + 1))
-        return out
 
     def score_continuations(self, prompts, continuations, should_stop=None):
         from .scoring import score_continuations

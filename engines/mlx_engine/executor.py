@@ -27,7 +27,9 @@ log = logging.getLogger("duet.engines.mlx")
 class MLXExecutor:
     # mlx-cuda's step is bound by the host (its Python and kernel launches): the runtime's own
     # per-token work (detokenizing, stop strings, events) runs on a thread beside it.
-    traits = ExecutorTraits(answers_late=True, output_thread=True)
+    # A prompt whose own tokens are asked for (echo) is scored chunk by chunk as it prefills,
+    # inside the batch's steps.
+    traits = ExecutorTraits(answers_late=True, output_thread=True, scores_prompts=True)
     # Prompts that arrive while the generator runs are gathered (until a step brings none, for
     # at most gather_s) and inserted together: each insert is a prefill of its own and a merge
     # into the running batch, and on an H200 16 prompts joining one a step ran at 0.53x the
@@ -92,8 +94,9 @@ class MLXExecutor:
             if self._held:  # an idle batch waiting out the quiet window: no busy loop
                 time.sleep(min(self.quiet_s / 4, 0.0005))
             return StepOutput({}, cached_tokens=cached, kept_tokens=self._kept())
-        tokens, scored = self._batch.step()
-        return StepOutput(tokens, scored, cached_tokens=cached, kept_tokens=self._kept())
+        tokens, scored, prompt_scores = self._batch.step()
+        return StepOutput(tokens, scored, prompt_scores, cached_tokens=cached,
+                          kept_tokens=self._kept())
 
     @staticmethod
     def collect(output: StepOutput) -> StepOutput:
@@ -123,12 +126,15 @@ class MLXExecutor:
                   "arrivals %.1f ms)", len(rows), len(self._batch),
                   (time.perf_counter() - self._held_since) * 1e3, self._widest_gap * 1e3)
         for row in rows:
-            layers, n = (None, 0) if self._cache is None else self._cache.take(row.tokens)
+            scored = row.sampling.prompt_logprobs
+            # A scored prompt feeds every token (a cached prefix's would go unscored).
+            layers, n = ((None, 0) if self._cache is None or scored is not None
+                         else self._cache.take(row.tokens))
             if n:
                 self._cached[row.seq_id] = n
             self._batch.add(Row.of(row.seq_id, row.sampling, row.draws, row.history),
                             row.tokens, layers if layers is not None
-                            else make_prompt_cache(self._model), n)
+                            else make_prompt_cache(self._model), n, scored)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         if not seq_ids:

@@ -129,8 +129,8 @@ class Runtime:
         live = _Live(sub, seq, out)
         self._live[seq.seq_id] = live
         if sub.params.prompt_logprobs is not None and not self.executor.traits.scores_prompts:
-            # Beside the batch, a piece a step: mlx-lm's BatchGenerator keeps the logits of
-            # the prompts it prefills to itself. The sequence joins once its prompt is scored.
+            # Beside the batch, a piece a step, for an executor that does not score the chunks
+            # it prefills. The sequence joins once its prompt is scored.
             self._scoring.append(
                 (live, self.engine.score_prompt(sub.prompt_ids, sub.params.prompt_logprobs)))
             return

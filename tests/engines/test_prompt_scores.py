@@ -1,12 +1,11 @@
-"""A prompt's own tokens scored (completions' echo, lm-eval's loglikelihood): on the torch engine
-as prefill rows of the batch, chunk by chunk; on MLX apart from the batch, a piece of the prompt
-a step, before the request joins. Either way the scores equal the engine's own log-softmax, beside rows that ask for
-nothing, and a request with max_tokens 0 gives its scores and no token."""
+"""A prompt's own tokens scored (completions' echo, lm-eval's loglikelihood) on both engines as
+prefill rows of the batch, chunk by chunk: the scores equal the engine's own log-softmax, beside
+rows that ask for nothing, and a request with max_tokens 0 gives its scores and no token."""
 
 import numpy as np
 import pytest
 
-from engines.base import Cancelled, RequestStats, SamplingParams, Step
+from engines.base import RequestStats, SamplingParams, Step
 from engines.generation import GenerationEngine
 from engines.runtime.runtime import Runtime, Submission
 from tests.engines.helpers import PROMPTS, make_engine
@@ -28,8 +27,6 @@ def run(engine, jobs, max_prefill_tokens):
 @pytest.mark.parametrize("kind", ["torch", "mlx"])
 def test_prompt_scores_are_the_models_across_chunks_and_beside_other_rows(tiny_dirs, kind):
     engine = make_engine(kind, tiny_dirs["llama"][0])
-    if kind == "mlx":
-        engine.score_piece_tokens = 5  # MLX scores a prompt apart, piece by piece: several
     prompt = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 27 tokens: several chunks of 8
     jobs = [(prompt, SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=2)),
             (PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
@@ -55,38 +52,45 @@ def test_prompt_scores_are_the_models_across_chunks_and_beside_other_rows(tiny_d
 
 
 
-def test_an_mlx_prompt_is_scored_a_piece_a_step_while_the_batch_goes_on(tiny_dirs):
-    """MLX scores a prompt apart from its batch, a piece of it a step: a running stream gets a
-    token between two pieces instead of waiting for the whole prompt, and the scores are those
-    of the prompt scored whole. A request stopped while its prompt is scored ends cancelled."""
-    engine = make_engine("mlx", tiny_dirs["llama"][0])
-    engine.score_piece_tokens = 4
-    prompt = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 27 tokens: 7 pieces of 4
+def test_an_mlx_prompt_is_scored_in_the_batchs_steps_while_a_stream_goes_on(tiny_dirs):
+    """MLX scores a prompt as it prefills it, a chunk a step inside the batch's steps: a running
+    stream gets a token at every step meanwhile, and the scores are those of the prompt scored
+    whole. A request stopped while its prompt is scored ends cancelled, and the scored one
+    then gets the whole budget."""
+    from engines.mlx_engine import MLXEngine
+
+    engine = MLXEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
+                       max_prefill_tokens=8)
+    prompt = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 27 tokens: 7 chunks of 4 (8 for 2 rows)
     whole = _run_generator(GenerationEngine.score_prompt(engine, prompt, 1))  # in one piece
-    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=64, threaded_output=False)
+    runtime = Runtime(engine, max_batch=4, max_prefill_tokens=4, threaded_output=False)
+    runtime.executor.min_chunk = 4
+    runtime.executor.gather_s = runtime.executor.quiet_s = 0.0  # each arrival joins at once
     stream, scored, stopped = [], [], []
     runtime.add(Submission(list(PROMPTS[1]), SamplingParams(
-        max_tokens=30, temperature=0.0, ignore_eos=True), stream.append))
-    for _ in range(3):  # the stream is decoding
+        max_tokens=40, temperature=0.0, ignore_eos=True), stream.append))
+    for _ in range(6):  # the stream is decoding
         runtime.step()
-    before = len(stream)
     runtime.add(Submission(list(prompt), SamplingParams(
         max_tokens=0, temperature=0.0, prompt_logprobs=1), scored.append))
     stop = {"now": False}
     runtime.add(Submission(list(prompt), SamplingParams(
         max_tokens=0, temperature=0.0, prompt_logprobs=1), stopped.append,
         should_stop=lambda: stop["now"]))
+    steps = 0
     while not scored:
+        before = len(stream)
         runtime.step()
-    # The stream took a step for each piece of the first prompt, not one for all of it.
-    assert len([e for e in stream[before:] if isinstance(e, Step)]) >= 6
-    stop["now"] = True
+        steps += 1
+        assert len(stream) == before + 1  # the stream's token, every step
+        stop["now"] = steps >= 2  # the other one leaves mid-prompt
+    assert steps >= 7  # the prompt took a step a chunk
     for _ in range(100):
         if not runtime.has_work:
             break
         runtime.step()
-    assert not runtime.has_work  # the stopped one's scoring went no further
-    assert len(stopped) == 1 and isinstance(stopped[0], Cancelled)
+    assert not runtime.has_work
+    assert stopped[-1].finish_reason == "cancelled" and stopped[-1].completion_tokens == 0
     scores = [e for e in scored if isinstance(e, Step)][0].prompt_logprobs
     for position in range(1, len(prompt)):
         assert scores[position].logprob == pytest.approx(whole[position].logprob, abs=1e-4)
