@@ -19,8 +19,8 @@ _WIDE_ROWS, _WIDE_TOKENS = 8, 64
 
 def warm_up_batching(engine) -> float:
     """Three sequences of different lengths through the engine's own executor: one alone,
-    then two joining it (one of them sampled), each leaving at its own step; then up to eight
-    prompts of 64 tokens prefilled together. Returns seconds taken (nothing is run where the
+    then two joining it (one of them sampled), each leaving at its own step; a prompt scored
+    as it prefills; then up to eight prompts of 64 tokens prefilled together. Returns seconds taken (nothing is run where the
     context or the KV pool is too small for them); raises what a sequence failed with."""
     started = time.perf_counter()
     if min(engine.context_length, engine.kv_pool.capacity_tokens) < _TOKENS:
@@ -47,6 +47,10 @@ def warm_up_batching(engine) -> float:
             runtime.step()
         runtime.add(Submission(ids[:3], sampled, emit))
         runtime.add(Submission(ids[:9], longer, emit))
+        _run_out(runtime)
+        # An echoed prompt scored as it prefills (lm-eval's loglikelihood): its kernels too.
+        runtime.add(Submission(ids[:9], SamplingParams(max_tokens=0, temperature=0.0,
+                                                       prompt_logprobs=1), emit))
         _run_out(runtime)
         # Then a wider prefill at once, as a burst of clients brings: its kernels too.
         if engine.kv_pool.capacity_tokens >= rows * (_WIDE_TOKENS + 4) \
