@@ -48,7 +48,6 @@ def main() -> int:
     from engines.bench.core import step_in_waves
     from engines.bench.systems import MLXLMGenerate
     from engines.mlx_engine import MLXEngine
-    from engines.mlx_engine.executor import MLXExecutor
     from engines.models.dummy import write_dummy_model
     from engines.runtime.runtime import Runtime
 
@@ -75,8 +74,6 @@ def main() -> int:
     parser.add_argument("--show-steps", type=int, default=8,
                         help="print this many first step times")
     args = parser.parse_args()
-    if args.min_chunk is not None:
-        MLXExecutor.min_chunk = args.min_chunk
     batches = [int(b) for b in args.batches.split(",")]
     path = write_dummy_model(args.model, Path(args.cache) / args.model)
     engine = MLXEngine(path, context_length=1024, max_batch=max(batches),
@@ -94,6 +91,8 @@ def main() -> int:
             profile = args.profile and attempt == 1
             runtime = Runtime(engine, max_batch=b,
                               threaded_output=False if args.inline_output else None)
+            if args.min_chunk is not None:
+                runtime.executor.min_chunk = args.min_chunk
             with profiled(f"duet, B={b}", profile):
                 started = time.perf_counter()
                 stats, steps = step_in_waves(runtime, waves, params)

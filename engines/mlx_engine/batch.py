@@ -23,20 +23,18 @@ from ..base import TokenLogprobs
 from .sampling import BatchRows, Row, Scored, top_logprobs
 
 
-def _batched(caches: list) -> list:
-    """A row's plain caches (one a layer) as batch caches of one row; batch caches as they are."""
-    return [c if hasattr(c, "left_padding") else type(c).merge([c]) for c in caches]
+# A group of rows keeps plain caches while it is one row and batch caches from two on: the
+# helpers below go by the rows' count.
 
 
-def _merged(rows: list[list]) -> list:
-    """Several rows' plain caches as one batch cache a layer (left-padded to the longest)."""
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*rows)]
+def _batched(caches: list, n: int) -> list:
+    """n rows' caches (one a layer) as batch caches."""
+    return [type(c).merge([c]) for c in caches] if n == 1 else caches
 
 
-def _extended(mine: list | None, theirs: list) -> list:
-    if mine is None:
-        return theirs
-    mine, theirs = _batched(mine), _batched(theirs)
+def _extended(mine: list, n: int, theirs: list, m: int) -> list:
+    """n rows' caches followed by m rows' (batch caches, mine extended in place)."""
+    mine, theirs = _batched(mine, n), _batched(theirs, m)
     for a, b in zip(mine, theirs):
         a.extend(b)
     return mine
@@ -50,13 +48,16 @@ def _split(caches: list, keep: list[int], n: int, fresh) -> list:
     out = [copy.copy(c) for c in caches]
     for c in out:
         c.filter(keep)
-    return _row_caches(out, 0, 1, fresh) if len(keep) == 1 else out
+    return _extracted(out, 0, fresh) if len(keep) == 1 else out
 
 
 def _row_caches(caches: list, i: int, n: int, fresh) -> list:
-    """Row i's caches as plain ones (a lone row's, the prompt cache's)."""
-    if n == 1 and not hasattr(caches[0], "left_padding"):
-        return caches
+    """Row i of n rows' caches as plain ones (a lone row's, the prompt cache's)."""
+    return caches if n == 1 else _extracted(caches, i, fresh)
+
+
+def _extracted(caches: list, i: int, fresh) -> list:
+    """Row i of batch caches as plain ones."""
     if caches[0].empty():  # nothing fed yet: extract() has nothing to cut
         return fresh()
     return [c.extract(i) for c in caches]
@@ -90,7 +91,6 @@ class Prefilling:
     row: Row
     unfed: list[int]
     fed: list[int]
-    cached: int = 0  # prompt tokens its KV came with from the prompt cache
     # k for a prompt whose own tokens are scored as they are fed (echo), else None.
     score_k: int | None = None
 
@@ -152,18 +152,19 @@ class Batch:
         """A prompt joins: `caches` (plain, one a layer) hold its first `cached` tokens. With
         score_k, each prompt token fed is scored (its log-softmax and the k likeliest) by the
         logits before it, as the prompt prefills."""
-        joining = Prefilling(row, list(prompt[cached:]), list(prompt[:cached]), cached, score_k)
-        self.prefill_caches = _extended(self.prefill_caches, caches) \
-            if self.prefilling else caches
+        joining = Prefilling(row, list(prompt[cached:]), list(prompt[:cached]), score_k)
+        n = len(self.prefilling)
+        self.prefill_caches = _extended(self.prefill_caches, n, caches, 1) if n else caches
         self.prefilling.append(joining)
 
-    def remove(self, seq_ids: set[int]) -> list[Left]:
-        """Drop these rows (decoding or prefilling); what their caches held."""
+    def remove(self, seq_ids: set[int], keep_kv: bool) -> list[Left]:
+        """Drop these rows (decoding or prefilling); with keep_kv, what their caches held (a
+        copy of each row's KV: none is made for nobody)."""
         left = []
         n = len(self.prefilling)
         gone = [i for i, p in enumerate(self.prefilling) if p.row.seq_id in seq_ids]
         if gone:
-            for i in gone:
+            for i in gone if keep_kv else ():
                 p = self.prefilling[i]
                 caches = _row_caches(self.prefill_caches, i, n, self._fresh)
                 left.append(Left(p.row.seq_id, caches, p.fed))
@@ -174,7 +175,7 @@ class Batch:
         n = len(self.rows)
         gone = [i for i, s in enumerate(self.rows.seq_ids) if s in seq_ids]
         if gone:
-            for i in gone:
+            for i in gone if keep_kv else ():
                 caches = _row_caches(self.caches, i, n, self._fresh)
                 left.append(Left(self.rows.rows[i].seq_id, caches, self.fed[i]))
             keep = [i for i in range(n) if i not in gone]
@@ -207,7 +208,8 @@ class Batch:
         joining = [self.prefilling[i] for i in done]
         self.prefill_caches = _split(self.prefill_caches, rest, n, self._fresh) if rest else None
         self.prefilling = [self.prefilling[i] for i in rest]
-        self.caches = caches if self.caches is None else _extended(self.caches, caches)
+        self.caches = (caches if self.caches is None
+                       else _extended(self.caches, len(self.rows), caches, len(joining)))
         self.rows.extend(BatchRows(self.vocab, [p.row for p in joining]))
         self.fed += [p.fed + p.unfed for p in joining]  # the next step feeds the last token
         last = mx.array([p.unfed[0] for p in joining], dtype=mx.uint32)

@@ -142,9 +142,8 @@ class MLXExecutor:
         gone = set(seq_ids)
         if self._held:
             self._held = [row for row in self._held if row.seq_id not in gone]
-        for left in self._batch.remove(gone):
-            if self._cache is not None:
-                self._cache.put(left.tokens, left.caches)
+        for left in self._batch.remove(gone, keep_kv=self._cache is not None):
+            self._cache.put(left.tokens, left.caches)
 
     def close(self) -> None:
         if self._wired is not None:

@@ -313,11 +313,11 @@ def test_the_mlx_warm_up_runs_a_join_a_sampled_row_and_a_leave(tiny_dirs, monkey
                       sum(not r.sampling.greedy for r in rows)))
         return add(self, rows)
 
-    def counting_remove(self, seq_ids):
-        left = remove(self, seq_ids)
-        if left:
-            calls.append(("leave", len(left), len(self) + len(left)))
-        return left
+    def counting_remove(self, seq_ids, keep_kv):
+        leaving = len(set(seq_ids) & set(self.seq_ids))
+        if leaving:
+            calls.append(("leave", leaving, len(self)))
+        return remove(self, seq_ids, keep_kv)
 
     monkeypatch.setattr(MLXExecutor, "_add", counting_add)
     monkeypatch.setattr(Batch, "remove", counting_remove)
