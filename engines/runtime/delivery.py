@@ -24,6 +24,7 @@ class Delivery:
         self._work: deque[tuple[Callable, tuple]] = deque()
         self._cv = threading.Condition()
         self._running = False  # a batch taken off the queue is being run
+        self._unfinished = 0  # posted and not run yet
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -36,7 +37,18 @@ class Delivery:
             return
         with self._cv:
             self._work.append((fn, args))
+            self._unfinished += 1
             self._cv.notify_all()
+
+    def wait_behind(self, most: int) -> None:
+        """Return once at most `most` of the posted works are unfinished: the step's thread
+        runs ahead of the output by that much and no further, however busy the machine (a
+        stop string the delivery sees ends its sequence a bounded number of steps later)."""
+        if not self.threaded or threading.current_thread() is self._thread:
+            return
+        with self._cv:
+            while self._unfinished > most:
+                self._cv.wait()
 
     def drain(self) -> None:
         """Return once everything posted so far has run."""
@@ -71,6 +83,9 @@ class Delivery:
                     fn(*args)
                 except Exception:
                     log.exception("delivering a step's output failed")
+                with self._cv:
+                    self._unfinished -= 1
+                    self._cv.notify_all()
             with self._cv:
                 self._running = False
                 self._cv.notify_all()

@@ -259,6 +259,9 @@ class Runtime:
         for live in ended:
             self._leave(live)  # the delivery closes it once it has read its last token
         if batch:
+            # The step before's output is out before this one's is posted: a sequence whose
+            # stop string the delivery sees runs one step more, not as many as it lags.
+            self.delivery.wait_behind(1)
             self.delivery.post(self._deliver, batch, now)
 
     def _deliver(self, batch: list[tuple[_Live, int, TokenLogprobs | None]], now: float) -> None:

@@ -241,3 +241,19 @@ def test_endings_without_text_leave_the_batch_at_once_however_the_delivery_lags(
     assert summary(events[0]) == ("abc", "stop", 4)
     assert summary(events[1]) == ("ab", "length", 2)
     assert given == {0: 4, 1: 2}
+
+
+def test_the_step_waits_for_the_output_once_it_lags_more_than_a_step():
+    """The step's thread may run one posted output ahead of the delivery, no further: however
+    busy the machine, a stop string seen there ends its sequence a bounded number of steps
+    later."""
+    delivery = Delivery("test-delivery")
+    gate = threading.Event()
+    delivery.post(gate.wait)  # the delivery is stuck on the step before's output
+    delivery.post(lambda: None)
+    waited = threading.Event()
+    threading.Thread(target=lambda: (delivery.wait_behind(1), waited.set()), daemon=True).start()
+    assert not waited.wait(0.2)
+    gate.set()
+    assert waited.wait(5)
+    delivery.close()
