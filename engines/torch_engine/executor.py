@@ -15,7 +15,7 @@ import torch
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
 from .processing import RowProcessor
-from .sampling import sample_rows, score_tokens, token_logprobs
+from .sampling import Sampler, sample_rows, score_tokens, token_logprobs
 from .transfer import ReadBack
 
 
@@ -48,6 +48,7 @@ class TorchExecutor:
         self._last_read = None  # the same picks on their way to the host (ReadBack.start)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
+        self._sampler = decoder.sampler if decoder is not None and decoder.head else Sampler()
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
@@ -91,7 +92,7 @@ class TorchExecutor:
             else:  # the graphs' greedy picks were made before any processing: picked anew
                 whole, counted = self._processor.apply(
                     torch.cat(logits) if len(logits) > 1 else logits[0], due, self._in_flight)
-                tokens = sample_rows(whole, due)
+                tokens = sample_rows(whole, due, self._sampler)
                 self._processor.count(counted, tokens)
             ids = tuple(r.seq_id for r in due)
             scored = None

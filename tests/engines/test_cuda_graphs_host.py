@@ -68,8 +68,9 @@ def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, 
     got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
     assert got == expected
     # Every step replayed a graph captured at warm-up: none captured again, none for a batch
-    # or length outside the buckets.
-    assert set(engine.decoder._graphs) == buckets and len(graphs.captured) == len(buckets)
+    # or length outside the buckets (the sampler's: a pair per batch bucket).
+    assert set(engine.decoder._graphs) == buckets
+    assert len(graphs.captured) == len(buckets) + 2 * 2
     # Seeded sampling through the graphs' logits: the same draws as alone.
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=30, seed=5, ignore_eos=True)
     engine_solo = alone(engine, PROMPTS[0], params)
@@ -80,7 +81,9 @@ def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, 
 def test_the_compiled_step_is_two_graphs_for_every_bucket(tiny_dirs, monkeypatch):
     """Compiled (Dynamo, with a backend that records what it is given), the step is two graphs
     whatever the buckets: one for a batch of 1, one for every other batch and attention bucket.
-    Each is traced and compiled again at every start: a third would cost each start its time."""
+    Each is traced and compiled again at every start: a third would cost each start its time.
+    The sampler adds its two (probabilities, the draw), made as its graphs are captured at the
+    warm-up."""
     monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
     engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
     expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
@@ -96,7 +99,7 @@ def test_the_compiled_step_is_two_graphs_for_every_bucket(tiny_dirs, monkeypatch
                                                   graphs=ReplayedGraphs(), backend=record)
         engine.decoder.warm_up()
         assert len(engine.decoder._graphs) == 3 * 4
-        assert len(graphs) == 2
+        assert len(graphs) == 2 + 2
         runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
         got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
         assert got == expected
@@ -194,3 +197,30 @@ def test_pipelined_rows_with_processing_run_every_step_and_get_their_solo_tokens
     assert got == solo
     assert len(fed) >= 12 + len(got[1]) - 4 and sum(fed) > len(fed) * 3 // 4
     assert engine.kv_pool.used_blocks == 0
+
+
+def test_the_sampler_graphs_draw_what_the_sampler_does():
+    """Replayed as graphs (a bucket per batch size from 2, ranked or not), the sampler draws
+    for each row what it draws directly: padding rows and a smaller batch after a larger one
+    (stale inputs left in the buffers) change nothing; beyond the largest bucket it draws
+    directly."""
+    from engines.torch_engine.sampling import Sampler
+
+    vocab = 300
+    graphs = cuda_graphs.GraphSampler(Sampler(), ReplayedGraphs(), max_batch=8, vocab=vocab,
+                                      device="cpu")
+    assert graphs.buckets == [2, 4, 8]
+    direct = Sampler()
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():  # as the executor draws
+        for n, ranked in ((5, 0), (3, vocab), (1, 0), (8, 40), (1, vocab), (9, vocab)):
+            logits = torch.randn(n, vocab, generator=gen) * 3
+            # Ranked by 40: top_k 7 on even rows, with top_p; by the vocabulary: top_p alone.
+            topk = [7 if ranked == 40 and i % 2 == 0 else vocab for i in range(n)]
+            floats = torch.tensor([[0.5 + 0.2 * i, -6.0 if i % 3 else -float("inf"),
+                                    0.8 if (ranked == vocab) == bool(i % 2) else 1.0]
+                                   for i in range(n)])
+            ints = torch.tensor([[17 * i, i, topk[i]] for i in range(n)])
+            got = graphs(logits, floats, ints, ranked)
+            assert got.tolist() == direct(logits, floats, ints, ranked).tolist()
+    assert set(graphs._graphs) == {(2, False), (2, True), (4, True), (8, False), (8, True)}

@@ -221,3 +221,25 @@ def test_the_engines_draw_the_same_tokens_from_the_same_logits():
     logits = np.random.default_rng(5).normal(0.0, 2.0, (len(rows), 300)).astype(np.float32)
     assert mlx_sample(logits, rows).tolist() == sample_rows(torch.from_numpy(logits),
                                                             rows).tolist()
+
+
+def test_the_compiled_sampler_draws_what_the_eager_one_does():
+    """The parts of the sampler the CUDA engine compiles trace whole (Dynamo's eager backend
+    stands in for Inductor here) and draw the same tokens."""
+    import torch
+
+    from engines.torch_engine.sampling import Sampler, sample_rows
+
+    torch._dynamo.reset()
+    compiled = Sampler(backend="eager")
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+                SamplingParams(temperature=0.8, top_k=5, seed=4),
+                SamplingParams(temperature=1.2, top_p=0.7, seed=5),
+                SamplingParams(temperature=0.9, min_p=0.05, seed=6)]
+    rows = [replace(rows_of(p, 1)[0], seq_id=i, draws=d)
+            for d in range(4) for i, p in enumerate(settings)]
+    logits = torch.randn(len(rows), 300, generator=torch.Generator().manual_seed(2))
+    assert sample_rows(logits, rows, compiled).tolist() == sample_rows(logits, rows).tolist()
+    plain = rows[1:2] * 2  # neither top_k nor top_p: nothing ranked
+    assert sample_rows(logits[:2], plain, compiled).tolist() == \
+        sample_rows(logits[:2], plain).tolist()
