@@ -58,7 +58,7 @@ def feature_params(feature: str, max_tokens: int):
 
     base = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     fields = FEATURES[feature]
-    if feature == "grammar":
+    if feature.startswith("grammar"):
         return replace(base, grammar=json_schema_grammar(
             fields["response_format"]["json_schema"]["schema"]))
     if feature == "logprobs":

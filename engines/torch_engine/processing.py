@@ -16,7 +16,7 @@ import torch
 
 from ..grammar import MaskFiller
 from ..runtime.plan import PENDING, ScheduledSeq
-from .transfer import to_device
+from .transfer import Staging, to_device
 
 
 class RowProcessor:
@@ -25,6 +25,7 @@ class RowProcessor:
     def __init__(self, vocab: int, device: str, masks: MaskFiller | None = None):
         self.vocab, self.device = vocab, device
         self._masks = masks or MaskFiller()
+        self._staging = Staging(device)  # the masks' way to the device
         self._slots: dict[int, int] = {}  # seq id -> its row of the count tables
         self._free: list[int] = []
         self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # completion
@@ -65,11 +66,14 @@ class RowProcessor:
             allowed = self._masks.bitmasks(
                 [(rows[i].sampling.processing.grammar, self._generated(rows[i], in_flight))
                  for i in masked], vocab)
-            bits = to_device(allowed, torch.uint8, self.device)
+            bits = self._staging.to_device(allowed)
             bits = ((bits.unsqueeze(-1) >> torch.arange(8, device=x.device, dtype=torch.uint8))
                     & 1).view(len(masked), -1)[:, :vocab].bool()
-            index = to_device(masked, torch.long, self.device)
-            x[index] = x[index].masked_fill(~bits, float("-inf"))
+            if len(masked) == len(rows):  # every row: no gather and scatter
+                x.masked_fill_(~bits, float("-inf"))
+            else:
+                index = to_device(masked, torch.long, self.device)
+                x[index] = x[index].masked_fill(~bits, float("-inf"))
         return x, counted
 
     @staticmethod

@@ -4,6 +4,7 @@ and its picks come back the same way."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -17,6 +18,38 @@ def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.T
     if kind != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class Staging:
+    """Host arrays to the device through two pinned buffers kept from step to step, taking
+    turns: to_device()'s pinned copy allocates its pinned memory anew each call (0.23 ms for a
+    64-row batch's grammar masks, 393 KB, on an H100 host). A buffer is refilled only once its
+    last copy is done (its event), which by then it has been, a step later."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.cuda = torch.device(device).type == "cuda"
+        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None, None]
+        self._turn = 0
+
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
+        if not self.cuda:  # a copy, as on CUDA: the caller may reuse its array
+            return torch.from_numpy(values.copy()).to(self.device)
+        size = values.nbytes
+        kept = self._buffers[self._turn]
+        if kept is None or kept[0].numel() < size:
+            kept = (torch.empty(max(size, 2 * kept[0].numel() if kept else 0),
+                                dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+            self._buffers[self._turn] = kept
+        else:
+            kept[1].synchronize()
+        self._turn ^= 1
+        buffer, done = kept
+        buffer.numpy()[:size] = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        host = buffer[:size].view(torch.from_numpy(values[:0]).dtype).view(values.shape)
+        out = host.to(self.device, non_blocking=True)
+        done.record()
+        return out
 
 
 class ToHost:
