@@ -42,16 +42,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def _row_keys(seeds: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    return _mix32(lo ^ _mix32(hi ^ _mix32(draws & _M32)))
+
+
+def _uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The uniform number of each (row key, column) pair, broadcast."""
+    bits = _mix32(_mix32(columns) ^ keys)
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
 def row_uniforms(seeds: torch.Tensor, draws: torch.Tensor, width: int) -> torch.Tensor:
     """Uniform numbers in (0, 1), [B, width]: row b's are a function of (seeds[b], draws[b])
     alone. A counter-based generator, so a row's draw does not depend on which rows share
     the batch, nor on how many draws other requests made (a torch.Generator's would)."""
-    device = seeds.device
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    key = _mix32(lo ^ _mix32(hi ^ _mix32(draws & _M32)))
-    columns = _mix32(torch.arange(width, device=device, dtype=torch.long))
-    bits = _mix32(columns[None, :] ^ key[:, None])
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    columns = torch.arange(width, device=seeds.device, dtype=torch.long)
+    return _uniforms(_row_keys(seeds, draws)[:, None], columns[None, :])
 
 
 def probabilities(logits: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
@@ -62,6 +69,31 @@ def probabilities(logits: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+# The eager sampler ranks each row's likeliest CANDIDATES first, and sorts a whole row only
+# when its top_p border lies beyond them (a flat distribution).
+CANDIDATES = 1024
+
+
+def _borders(ranks: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
+             total: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's least kept probability [B, 1] under its top_k and top_p, from its R likeliest
+    probabilities, sorted (ranks [B, R]); total [B, 1]: a row's whole mass, where the ranks
+    may not hold all of it. And whether the row's borders lie within the ranks [B, 1]."""
+    r = ranks.shape[-1]
+    k = ints[:, 2:3]  # V where a row has no top_k: more than R, so it keeps all
+    kth = torch.where(k <= r, ranks.gather(1, k.clamp(max=r) - 1), 0.0)
+    ranks = ranks.masked_fill(ranks < kth, 0.0)
+    # Keep a rank while those above it hold less than top_p of the mass top_k kept; the
+    # likeliest always stays.
+    mass = ranks.cumsum(dim=-1)
+    kept_mass = mass[:, -1:] if total is None else torch.where(k <= r, mass[:, -1:], total)
+    top_p = floats[:, 2:3]
+    target = top_p * kept_mass
+    kept = ((mass - ranks) < target).sum(dim=-1, keepdim=True)
+    least = torch.where(top_p < 1.0, torch.maximum(kth, ranks.gather(1, kept - 1)), kth)
+    return least, (top_p >= 1.0) | (mass[:, -1:] >= target)
+
+
 def nucleus(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
             ranked: int) -> torch.Tensor:
     """probs [B, V] with the tokens outside each row's top_k and top_p at 0: a token stays
@@ -69,19 +101,28 @@ def nucleus(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
     top_p of what top_k kept (the fewest whose mass reaches top_p); tokens tied with the last
     one kept stay. ints [B, 3]: seed, draws so far, top_k (V where a row has none). ranked:
     how many of each row's likeliest tokens must be ranked (the largest top_k, or V where a
-    row has top_p)."""
+    row has top_p). No host reads: a CUDA graph captures it."""
     # The likeliest first; a sort of the whole row beats topk's for every token.
     ranks = (torch.sort(probs, dim=-1, descending=True).values if ranked >= probs.shape[-1]
              else torch.topk(probs, ranked, dim=-1).values)
-    k = ints[:, 2:3]  # V where a row has no top_k: more than `ranked`, so it keeps all
-    kth = torch.where(k <= ranked, ranks.gather(1, k.clamp(max=ranked) - 1), 0.0)
-    ranks = ranks.masked_fill(ranks < kth, 0.0)
-    # Keep a rank while those above it hold less than top_p of the mass top_k kept; the
-    # likeliest always stays. A row with top_p has every token ranked.
-    mass = ranks.cumsum(dim=-1)
-    top_p = floats[:, 2:3]
-    kept = ((mass - ranks) < top_p * mass[:, -1:]).sum(dim=-1, keepdim=True)
-    least = torch.where(top_p < 1.0, torch.maximum(kth, ranks.gather(1, kept - 1)), kth)
+    return probs.masked_fill(probs < _borders(ranks, floats, ints, None)[0], 0.0)
+
+
+def nucleus_eager(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
+                  ranked: int) -> torch.Tensor:
+    """nucleus(), ranking each row's CANDIDATES likeliest first and sorting whole only the
+    rows whose top_p border lies beyond them (a host read: for the eager sampler of the CPU
+    and MPS, where a sort of the vocabulary is most of a draw)."""
+    v = probs.shape[-1]
+    if ranked < v or v <= CANDIDATES:
+        return nucleus(probs, floats, ints, ranked)
+    least, found = _borders(torch.topk(probs, CANDIDATES, dim=-1).values, floats, ints,
+                            probs.sum(dim=-1, keepdim=True))
+    if not bool(found.all()):
+        rows = torch.nonzero(~found[:, 0])[:, 0]
+        whole, _ = _borders(torch.sort(probs[rows], dim=-1, descending=True).values,
+                            floats[rows], ints[rows], None)
+        least = least.index_copy(0, rows, whole)
     return probs.masked_fill(probs < least, 0.0)
 
 
@@ -94,28 +135,44 @@ def race(probs: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
     return torch.argmax(probs / noise, dim=-1)
 
 
+def race_among(probs: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """race() where most of probs are 0 (the nucleus kept few tokens): the noise is made for
+    the tokens still in alone, the same numbers race() makes for them, so the same draw."""
+    rows, columns = torch.nonzero(probs, as_tuple=True)
+    keys = _row_keys(ints[:, 0], ints[:, 1])
+    scores = torch.zeros_like(probs)
+    scores[rows, columns] = probs[rows, columns] / -torch.log(_uniforms(keys[rows], columns))
+    return torch.argmax(scores, dim=-1)
+
+
 class Sampler:
-    """A draw: probabilities(), nucleus() where a row has top_k or top_p, race(). The first
-    and last are compiled by Inductor where the decode step is (CUDA): eagerly, the seeded
-    noise alone is a dozen full passes over [B, V] (0.75 ms a step for 64 rows of a 49k
-    vocabulary on an H100, 0.15 ms compiled). nucleus() stays eager: Inductor (torch 2.11)
-    fails to generate its cumulative sum over a row of symbolic length. Compiled, a batch of
-    one row would get graphs of its own (Dynamo specializes a size of 1): cuda_graphs'
-    GraphSampler never draws fewer than two."""
+    """A draw: probabilities(), the nucleus where a row has top_k or top_p, the race.
+    Compiled (by Inductor where the decode step is: CUDA), probabilities() and race() are a
+    few fused kernels; eagerly, the seeded noise alone is a dozen full passes over [B, V]
+    (0.75 ms a step for 64 rows of a 49k vocabulary on an H100, 0.15 ms compiled). The
+    nucleus stays eager: Inductor (torch 2.11) fails to generate its cumulative sum over a
+    row of symbolic length. Compiled, a batch of one row would get graphs of its own (Dynamo
+    specializes a size of 1): cuda_graphs' GraphSampler never draws fewer than two. The
+    eager sampler (CPU, MPS) ranks few tokens where it can (nucleus_eager) and makes noise
+    for the tokens the nucleus kept alone (race_among)."""
 
     def __init__(self, backend: str | None = None):
-        self._probabilities, self._race = (
-            (probabilities, race) if backend is None else
-            (torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
-             for fn in (probabilities, race)))
+        if backend is None:
+            self._probabilities, self._nucleus = probabilities, nucleus_eager
+            self._race, self._race_ranked = race, race_among
+        else:
+            self._probabilities, self._race = (
+                torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+                for fn in (probabilities, race))
+            self._nucleus, self._race_ranked = nucleus, self._race
 
     def __call__(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                  ranked: int) -> torch.Tensor:
         """One token per row of logits [B, V]; floats, ints and ranked as nucleus() has them."""
         probs = self._probabilities(logits.float(), floats)
-        if ranked:
-            probs = nucleus(probs, floats, ints, ranked)
-        return self._race(probs, ints)
+        if not ranked:
+            return self._race(probs, ints)
+        return self._race_ranked(self._nucleus(probs, floats, ints, ranked), ints)
 
 
 class Draws(Protocol):

@@ -243,3 +243,30 @@ def test_the_compiled_sampler_draws_what_the_eager_one_does():
     plain = rows[1:2] * 2  # neither top_k nor top_p: nothing ranked
     assert sample_rows(logits[:2], plain, compiled).tolist() == \
         sample_rows(logits[:2], plain).tolist()
+
+
+def test_the_eager_nucleus_ranks_few_tokens_and_sorts_a_flat_row_whole():
+    """nucleus_eager (the CPU's and MPS's) keeps what the whole-row sort keeps: peaked rows
+    from their CANDIDATES likeliest, flat rows (whose top_p border lies beyond those) sorted
+    whole, in one batch with top_k rows; and race_among, which makes noise for the kept tokens
+    alone, draws what race() draws."""
+    import torch
+
+    from engines.torch_engine import sampling
+
+    v = 3 * sampling.CANDIDATES
+    gen = torch.Generator().manual_seed(4)
+    scales = [8.0, 0.05, 4.0, 0.01, 6.0, 1.0]  # peaked and flat rows
+    logits = torch.randn(len(scales), v, generator=gen) * torch.tensor(scales)[:, None]
+    floats = torch.tensor([[1.0, -float("inf"), p] for p in (0.9, 0.9, 0.99, 0.5, 1.0, 0.8)])
+    ints = torch.tensor([[7 * i, i, k] for i, k in enumerate((v, v, 50, v, 20, v))])
+    probs = sampling.probabilities(logits, floats)
+    sorted_whole = sampling.nucleus(probs, floats, ints, v)
+    eager = sampling.nucleus_eager(probs, floats, ints, v)
+    kept = (sorted_whole > 0).sum(-1)
+    assert kept[1] > sampling.CANDIDATES and kept[3] > sampling.CANDIDATES  # sorted whole
+    assert kept[0] < sampling.CANDIDATES  # from the candidates
+    assert torch.equal(eager, sorted_whole)
+    for draws in range(5):
+        ints[:, 1] = draws
+        assert torch.equal(sampling.race_among(eager, ints), sampling.race(eager, ints))
