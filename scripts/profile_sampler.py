@@ -92,7 +92,7 @@ def main() -> None:
 
         configure_inductor()
         t0 = time.perf_counter()
-        graphs = GraphSampler(Sampler("inductor"), CudaGraphs(), 64, args.vocab, args.device)
+        graphs = GraphSampler("inductor", CudaGraphs(), 64, args.vocab, args.device)
         graphs.warm_up()
         samplers["graphs"] = graphs
         print(f"compiled and captured the sampler's graphs in {time.perf_counter() - t0:.1f}s")

@@ -148,8 +148,8 @@ class GraphDecoder:
         model.use_kernels(attention=self.kernels, activation=self.kernels)
         self.compiled = backend is not None
         # The executor's, compiled when the step is.
-        self.sampler = GraphSampler(Sampler(backend), self.graphs, max_batch,
-                                    model.args.vocab_size, device) if head else None
+        self.sampler = GraphSampler(backend, self.graphs, max_batch, model.args.vocab_size,
+                                    device) if head else None
         self._fn = self._step_impl
         if backend is not None:
             if backend == "inductor":
@@ -246,9 +246,10 @@ class GraphSampler:
     with top_p, measured on an H100), more than the decode step's replay; as a graph it is one
     launch and three copies in. Larger batches draw through the sampler directly."""
 
-    def __init__(self, sampler: Sampler, graphs: CudaGraphs, max_batch: int, vocab: int,
+    def __init__(self, backend: str | None, graphs: CudaGraphs, max_batch: int, vocab: int,
                  device: str):
-        self.sampler, self.graphs, self.vocab = sampler, graphs, vocab
+        self.sampler = Sampler(backend, captured=True)  # no host reads in a graph
+        self.graphs, self.vocab = graphs, vocab
         # From 2: a lone row is drawn beside a padding row, in the graphs every batch shares.
         self.buckets = batch_buckets(max(2, min(max_batch, SAMPLER_GRAPH_ROWS)))[1:]
         rows = self.buckets[-1]

@@ -153,18 +153,18 @@ class Sampler:
     nucleus stays eager: Inductor (torch 2.11) fails to generate its cumulative sum over a
     row of symbolic length. Compiled, a batch of one row would get graphs of its own (Dynamo
     specializes a size of 1): cuda_graphs' GraphSampler never draws fewer than two. The
-    eager sampler (CPU, MPS) ranks few tokens where it can (nucleus_eager) and makes noise
-    for the tokens the nucleus kept alone (race_among)."""
+    eager sampler of the CPU and MPS ranks few tokens where it can (nucleus_eager) and makes
+    noise for the tokens the nucleus kept alone (race_among): both read the device."""
 
-    def __init__(self, backend: str | None = None):
-        if backend is None:
-            self._probabilities, self._nucleus = probabilities, nucleus_eager
-            self._race, self._race_ranked = race, race_among
-        else:
-            self._probabilities, self._race = (
-                torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
-                for fn in (probabilities, race))
-            self._nucleus, self._race_ranked = nucleus, self._race
+    def __init__(self, backend: str | None = None, captured: bool = False):
+        """backend: torch.compile's, or None for eager ops. captured: for a CUDA graph, so
+        without host reads (nucleus() and race() for every row, whatever the backend)."""
+        self._probabilities, self._race = (
+            (probabilities, race) if backend is None else
+            (torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+             for fn in (probabilities, race)))
+        self._nucleus, self._race_ranked = ((nucleus, self._race) if captured or backend
+                                            else (nucleus_eager, race_among))
 
     def __call__(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                  ranked: int) -> torch.Tensor:

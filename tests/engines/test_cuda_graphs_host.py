@@ -199,18 +199,24 @@ def test_pipelined_rows_with_processing_run_every_step_and_get_their_solo_tokens
     assert engine.kv_pool.used_blocks == 0
 
 
-def test_the_sampler_graphs_draw_what_the_sampler_does():
+def test_the_sampler_graphs_draw_what_the_sampler_does(monkeypatch):
     """Replayed as graphs (a bucket per batch size from 2, ranked or not), the sampler draws
-    for each row what it draws directly: padding rows and a smaller batch after a larger one
-    (stale inputs left in the buffers) change nothing; beyond the largest bucket it draws
-    directly."""
-    from engines.torch_engine.sampling import Sampler
+    for each row what the eager sampler draws: padding rows and a smaller batch after a
+    larger one (stale inputs left in the buffers) change nothing; beyond the largest bucket
+    it draws directly. It never reads the device, which a graph's capture forbids."""
+    from engines.torch_engine import sampling
 
     vocab = 300
-    graphs = cuda_graphs.GraphSampler(Sampler(), ReplayedGraphs(), max_batch=8, vocab=vocab,
+    direct = sampling.Sampler()  # the eager one, reading the device where it helps
+
+    def refused(*args):
+        raise AssertionError("a host read in a graph")
+
+    monkeypatch.setattr(sampling, "nucleus_eager", refused)
+    monkeypatch.setattr(sampling, "race_among", refused)
+    graphs = cuda_graphs.GraphSampler(None, ReplayedGraphs(), max_batch=8, vocab=vocab,
                                       device="cpu")
     assert graphs.buckets == [2, 4, 8]
-    direct = Sampler()
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():  # as the executor draws
         for n, ranked in ((5, 0), (3, vocab), (1, 0), (8, 40), (1, vocab), (9, vocab)):
