@@ -61,9 +61,11 @@ def processing_rule(x, params, prompt, generated):
     return x
 
 
-def run_together(runtime, jobs, join_at=None):
+def run_together(runtime, jobs, join_at=None, record=lambda step: step.token_id,
+                 after_step=None):
     """jobs: (prompt, params). join_at[i]: the step at which job i arrives (default 0).
-    Returns each job's token ids and stats."""
+    Returns each job's record(step) of its steps (default: the token ids) and stats;
+    after_step() is called after every step."""
     join_at = join_at or [0] * len(jobs)
     got = {i: [] for i in range(len(jobs))}
     stats = {}
@@ -75,7 +77,7 @@ def run_together(runtime, jobs, join_at=None):
             if isinstance(event, RequestStats):
                 stats[i] = event
             elif event.finish_reason is None:
-                got[i].append(event.token_id)
+                got[i].append(record(event))
         return emit
 
     step = 0
@@ -85,6 +87,8 @@ def run_together(runtime, jobs, join_at=None):
                 runtime.add(Submission(list(prompt), params, emit_for(i)))
         runtime.step()
         runtime.delivery.drain()  # the step's events are out (a threaded delivery's too)
+        if after_step is not None:
+            after_step()
         step += 1
         assert step < 1000
     return [got[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]

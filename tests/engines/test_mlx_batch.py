@@ -7,6 +7,7 @@ import pytest
 
 from engines.base import SamplingParams, Step
 from engines.runtime.runtime import Runtime, Submission
+from tests.engines.helpers import run_together
 pytest.importorskip("mlx_lm")
 
 JOBS = [
@@ -34,34 +35,17 @@ def run(engine, jobs, join_at, *, prefix_cache: bool = False, watch=None):
     runtime = Runtime(engine, max_batch=4, threaded_output=False, prefix_cache=prefix_cache)
     executor = runtime.executor
     executor.gather_s, executor.quiet_s = 0.0, 0.0
-    got = {i: [] for i in range(len(jobs))}
-    done = set()
 
-    def emit_for(i):
-        def emit(event):
-            if isinstance(event, BaseException):
-                raise event
-            if isinstance(event, Step) and event.finish_reason is None:
-                lp = event.logprobs
-                got[i].append((event.token_id, None if lp is None else round(lp.logprob, 4),
-                               None if lp is None else tuple(t for t, _ in lp.top)))
-            elif not isinstance(event, Step):
-                done.add(i)
-        return emit
+    def record(step):
+        lp = step.logprobs
+        return (step.token_id, None if lp is None else round(lp.logprob, 4),
+                None if lp is None else tuple(t for t, _ in lp.top))
 
-    step = 0
-    while len(done) < len(jobs):
-        for i, (prompt, params) in enumerate(jobs):
-            if join_at[i] == step:
-                runtime.add(Submission(list(prompt), params, emit_for(i)))
-        runtime.step()
-        if watch is not None:
-            watch(executor)
-        step += 1
-        assert step < 500
+    got, _ = run_together(runtime, jobs, join_at, record,
+                          None if watch is None else lambda: watch(executor))
     runtime.close()
     assert engine.kv_pool.used_blocks == 0
-    return [got[i] for i in range(len(jobs))]
+    return got
 
 
 def plain_caches(executor) -> bool | None:
