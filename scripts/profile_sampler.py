@@ -7,7 +7,8 @@ before (kept here as the baseline) and against greedy picks.
 
 Prints a table of the median device time per call (CUDA events; wall time elsewhere) and the
 host's time to queue it. On CUDA the engine's way is timed too: the sampler compiled and
-replayed as CUDA graphs (cuda_graphs.GraphSampler)."""
+replayed as CUDA graphs (cuda_graphs.GraphSampler), and the same graphs ranking each row by a
+sort instead of the border search (nucleus_kernel)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,13 @@ def main() -> None:
         graphs = GraphSampler("inductor", CudaGraphs(), 64, args.vocab, args.device)
         graphs.warm_up()
         samplers["graphs"] = graphs
+        from engines.torch_engine import nucleus_kernel
+
+        if nucleus_kernel.available():  # the sort the border search replaced
+            sorting = GraphSampler("inductor", CudaGraphs(), 64, args.vocab, args.device)
+            sorting.sampler = Sampler("inductor", captured=True)
+            sorting.warm_up()
+            samplers["graphs, sorted"] = sorting
         print(f"compiled and captured the sampler's graphs in {time.perf_counter() - t0:.1f}s")
     results = []
     print(f"device {args.device}, vocabulary {args.vocab}; device ms (host ms) per call")

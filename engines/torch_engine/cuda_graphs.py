@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..runtime.plan import PENDING, ScheduledSeq
+from . import nucleus_kernel
 from .paged import PagedBatch, PagedKV
 from .sampling import Sampler, argmax_in_chunks
 
@@ -241,14 +242,18 @@ SAMPLER_GRAPH_ROWS = 64
 
 class GraphSampler:
     """The sampler replayed as CUDA graphs, one per batch bucket (2 rows up to
-    SAMPLER_GRAPH_ROWS) and per whether rows are ranked (top_k, top_p: every token sorted).
+    SAMPLER_GRAPH_ROWS) and per whether rows have a nucleus (top_k, top_p).
     Launched op by op, a draw's host work is 20-odd kernel launches (0.2 ms a step, 0.7 ms
     with top_p, measured on an H100), more than the decode step's replay; as a graph it is one
     launch and three copies in. Larger batches draw through the sampler directly."""
 
     def __init__(self, backend: str | None, graphs: CudaGraphs, max_batch: int, vocab: int,
                  device: str):
-        self.sampler = Sampler(backend, captured=True)  # no host reads in a graph
+        # No host reads in a graph; each row's nucleus border searched for, not sorted out,
+        # on a GPU with Triton (nucleus_kernel).
+        searched = device.startswith("cuda") and nucleus_kernel.available()
+        self.sampler = Sampler(backend, captured=True,
+                               borders=nucleus_kernel.borders if searched else None)
         self.graphs, self.vocab = graphs, vocab
         # From 2: a lone row is drawn beside a padding row, in the graphs every batch shares.
         self.buckets = batch_buckets(max(2, min(max_batch, SAMPLER_GRAPH_ROWS)))[1:]
@@ -275,7 +280,8 @@ class GraphSampler:
         return tokens[:n].clone()  # the next replay overwrites the graph's output
 
     def _capture(self, b: int, ranked: bool):
-        # Ranked, every row is ranked whole: one graph serves every top_k and top_p.
+        # Ranked, every row's border is found over its whole vocabulary: one graph serves
+        # every top_k and top_p.
         width = self.vocab if ranked else 0
         with torch.inference_mode():
             captured = self.graphs.capture(lambda: (self.sampler(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -108,6 +108,15 @@ def nucleus(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
     return probs.masked_fill(probs < _borders(ranks, floats, ints, None)[0], 0.0)
 
 
+def nucleus_by(borders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+    """nucleus() with each row's border from borders(probs, floats, ints) [B, 1] (a kernel
+    that finds it without ranking the row: nucleus_kernel.borders)."""
+    def nucleus(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
+                ranked: int) -> torch.Tensor:
+        return probs.masked_fill(probs < borders(probs, floats, ints), 0.0)
+    return nucleus
+
+
 def nucleus_eager(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                   ranked: int) -> torch.Tensor:
     """nucleus(), ranking each row's CANDIDATES likeliest first and sorting whole only the
@@ -156,15 +165,18 @@ class Sampler:
     eager sampler of the CPU and MPS ranks few tokens where it can (nucleus_eager) and makes
     noise for the tokens the nucleus kept alone (race_among): both read the device."""
 
-    def __init__(self, backend: str | None = None, captured: bool = False):
+    def __init__(self, backend: str | None = None, captured: bool = False, borders=None):
         """backend: torch.compile's, or None for eager ops. captured: for a CUDA graph, so
-        without host reads (nucleus() and race() for every row, whatever the backend)."""
+        without host reads (nucleus() and race() for every row, whatever the backend).
+        borders: where given, what finds each row's nucleus border (nucleus_by)."""
         self._probabilities, self._race = (
             (probabilities, race) if backend is None else
             (torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
              for fn in (probabilities, race)))
         self._nucleus, self._race_ranked = ((nucleus, self._race) if captured or backend
                                             else (nucleus_eager, race_among))
+        if borders is not None:
+            self._nucleus = nucleus_by(borders)
 
     def __call__(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                  ranked: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Run by test_cuda_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter
-runs the CUDA path's kernels (paged decode attention, SiLU * up) on the CPU (the flag must be
-set before a kernel is defined, so it cannot share the test process); on a GPU the same checks
-run compiled. Exits non-zero on a mismatch."""
+runs the CUDA path's kernels (paged decode attention, SiLU * up, the nucleus border) on the
+CPU (the flag must be set before a kernel is defined, so it cannot share the test process); on
+a GPU the same checks run compiled. Exits non-zero on a mismatch."""
 
 from __future__ import annotations
 
@@ -77,6 +77,41 @@ def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device
             )
 
 
+def check_borders(device="cpu") -> None:
+    """Each row's nucleus border found by the kernel's search keeps the tokens the sorted
+    ranks keep (sampling._borders), and a draw with it takes the same tokens: top_k alone,
+    top_p alone, both, neither, ties at the top and at the border, tokens min_p zeroed, a
+    vocabulary that is not a multiple of the kernel's block."""
+    import math
+
+    from engines.torch_engine.nucleus_kernel import BLOCK, borders
+    from engines.torch_engine.sampling import Sampler, _borders, probabilities
+
+    torch.manual_seed(0)
+    for v in (1000, 2 * BLOCK + 37):
+        for case in range(12):
+            rows = 4
+            logits = torch.randn(rows, v, device=device) * (0.3 + case)
+            if case % 3 == 0:
+                logits[:, :50] = logits.max()  # 50 tied likeliest tokens
+            if case % 4 == 0:
+                logits = (logits * 2).round()  # ties all the way down
+            top_p = torch.tensor([[1.0], [0.95], [0.3], [0.999]], device=device)
+            k = [v, 40, 1, v // 2, 2, v][case % 6]
+            floats = torch.cat([torch.full((rows, 1), 0.7, device=device),
+                                torch.full((rows, 1), math.log(0.05) if case % 5 == 0
+                                           else -math.inf, device=device), top_p], dim=1)
+            ints = torch.tensor([[case, 3, k]] * rows, device=device)
+            probs = probabilities(logits, floats)
+            ranks = torch.sort(probs, dim=-1, descending=True).values
+            expected = probs >= _borders(ranks, floats, ints, None)[0]
+            got = probs >= borders(probs, floats, ints)
+            assert torch.equal(got, expected), (v, case, got.sum(1), expected.sum(1))
+            sorted_draw = Sampler(captured=True)(logits, floats, ints, v)
+            searched_draw = Sampler(captured=True, borders=borders)(logits, floats, ints, v)
+            assert torch.equal(sorted_draw, searched_draw), (v, case)
+
+
 def tiny_engine(window: int | None, device: str):
     """A TorchEngine over a small random model, without loading files."""
     from engines.generation import MemoryMeter
@@ -143,6 +178,7 @@ if __name__ == "__main__":
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     check_op(device=device)
     check_silu_mul(device=device)
+    check_borders(device=device)
     check_model(window=None, device=device)
     check_model(window=8, device=device)
     print("kernels: ok")

@@ -1,4 +1,4 @@
-"""The Triton kernels of the CUDA path (decode attention, SiLU * up): on this CPU through
+"""The Triton kernels of the CUDA path (decode attention, SiLU * up, the nucleus border): on this CPU through
 Triton's interpreter, on a GPU (where there is one) compiled, in bfloat16 too."""
 
 import importlib.util
@@ -34,6 +34,7 @@ def test_kernel_on_cuda():
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
+    check_borders(device="cuda")
     check_model(window=None, device="cuda")
     check_model(window=8, device="cuda")
 
