@@ -166,6 +166,26 @@ async def test_a_time_limit_stops_the_sequence_in_the_child():
         await worker.aclose(10)
 
 
+async def test_a_stop_is_forwarded_while_events_never_pause():
+    """While the child's events flow (a token a millisecond), stops are still looked at,
+    every stops_every_s: not only when the pipe is quiet for poll_s, here longer than the
+    whole generation."""
+    long = partial(FakeEngine, "fake", reply="x" * 4000, token_delay_s=0.001,
+                   context_length=8192)
+    worker = await started(long, timeout_s=0.3)
+    worker.loop.poll_s = 30.0
+    try:
+        started_at = time.perf_counter()
+        with pytest.raises(APIError) as caught:
+            await run(worker, "q", max_tokens=4000)
+        assert caught.value.status == 504
+        # Left alone the child would decode 3 s more, its blocks held.
+        assert await until(lambda: worker.runtime_status()["kv_cache_used_tokens"] == 0, 1.0)
+        assert time.perf_counter() - started_at < 2.0
+    finally:
+        await worker.aclose(10)
+
+
 async def test_errors_cross_with_their_type():
     worker = await started(echo(context_length=64))
     try:
