@@ -129,3 +129,26 @@ def test_the_cpu_meter_sees_what_a_requests_last_step_allocated():
     assert isinstance(stats, RequestStats) and stats.completion_tokens == 5
     assert seen[0] >= baseline + SPIKE * 0.9
     assert stats.peak_memory_bytes >= baseline + SPIKE * 0.9
+
+
+def test_the_cuda_meter_reads_the_allocators_peak(monkeypatch):
+    """The peak of allocated bytes (what max_memory_allocated gives), read from the nested
+    statistics without their flattening; on a GPU, a tensor made after a reset shows in it."""
+    import torch
+
+    asked = []
+
+    def stats(device):
+        asked.append(device)
+        return {"allocated_bytes": {"all": {"peak": 123, "current": 5}, "large_pool": {"peak": 7}},
+                "reserved_bytes": {"all": {"peak": 999}}}
+
+    meter = CudaMeter("cuda:1")
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
+    assert meter.peak_bytes() == 123 and asked == ["cuda:1"]
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        meter = CudaMeter("cuda")
+        meter.reset()
+        block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        assert meter.peak_bytes() == torch.cuda.max_memory_allocated() >= block.numel()
