@@ -92,7 +92,6 @@ class GrammarState:
         self.vocab_size = vocabulary.vocab_size
         self._eos = sorted(eos_token_ids)
         self._consumed = 0
-        self._last = -1  # the last token taken in
         self._first: np.ndarray | None = None  # llguidance's mask before any token
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
@@ -135,18 +134,10 @@ class GrammarState:
         return self._matcher
 
     def advance(self, generated: Sequence[int]) -> bool:
-        """Take in the tokens sampled since the last call; False if the matcher went wrong. A
-        last token taken in that `generated` does not hold (one taken ahead, for a sequence
-        that went otherwise) is rolled back first."""
-        if self._consumed and (len(generated) < self._consumed
-                               or generated[self._consumed - 1] != self._last):
-            self._matcher.rollback(1)
-            self._consumed -= 1
-            self._last = generated[self._consumed - 1] if self._consumed else -1
+        """Take in the tokens sampled since the last call; False if the matcher went wrong."""
         for token in generated[self._consumed:]:
             self._matcher.consume_token(token)
-        if len(generated) > self._consumed:
-            self._consumed, self._last = len(generated), generated[-1]
+        self._consumed = len(generated)
         return self.healthy()
 
     def healthy(self) -> bool:

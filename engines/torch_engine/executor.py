@@ -105,7 +105,6 @@ class TorchExecutor:
             if self.pipelined:  # where the next step's PENDING rows find their tokens
                 self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
                 self._last_read = pending
-                self._processor.look_ahead(lambda: dict(zip(ids, ReadBack.finish(pending))))
             return ids, pending, scored, prompt_scores
 
     def _in_flight(self, seq_id: int) -> int:

@@ -10,48 +10,13 @@ batch and sent over in one copy each, not one per row."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from ..grammar import GrammarState, MaskFiller
+from ..grammar import MaskFiller
 from ..runtime.plan import PENDING, ScheduledSeq
 from .transfer import Staging, to_device
-
-
-class MasksAhead:
-    """The next step's grammar masks, made on a thread of their own while the host does the
-    rest of its step. A pipelined step's grammar rows need the tokens the step before sampled;
-    made on the step's thread, their masks (0.8 ms for 64 rows on an H100 host) came after
-    those tokens and before the runtime's bookkeeping and the next forward, which the device
-    waited for. llguidance's masks release the GIL."""
-
-    def __init__(self, masks: MaskFiller):
-        self._masks = masks
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
-
-    def start(self, asked: list[tuple[int, GrammarState, list[int]]],
-              tokens: Callable[[], dict[int, int]], vocab: int) -> None:
-        """asked: (seq id, state, generated) of a step's grammar rows; tokens(): the step's
-        sampled tokens by seq id (it waits for them)."""
-        def work() -> dict[int, tuple[list[int], np.ndarray]]:
-            got = tokens()
-            rows = [(seq_id, state, [*generated, got[seq_id]])
-                    for seq_id, state, generated in asked if seq_id in got]
-            packed = self._masks.bitmasks([(state, g) for _, state, g in rows], vocab)
-            return {seq_id: (g, packed[k]) for k, (seq_id, _, g) in enumerate(rows)}
-
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="duet-masks")
-        self._pending = self._worker.submit(work)
-
-    def take(self) -> dict[int, tuple[list[int], np.ndarray]]:
-        """The masks made ahead: seq id -> (the generated tokens each follows, its packed
-        mask). After it, the grammar states are the caller's alone again."""
-        pending, self._pending = self._pending, None
-        return {} if pending is None else pending.result()
 
 
 class RowProcessor:
@@ -61,9 +26,6 @@ class RowProcessor:
         self.vocab, self.device = vocab, device
         self._masks = masks or MaskFiller()
         self._staging = Staging(device)  # the masks' way to the device
-        self._ahead = MasksAhead(self._masks)
-        # The last apply()'s grammar rows, (seq id, state, generated), for look_ahead().
-        self._asked: list[tuple[int, GrammarState, list[int]]] = []
         self._slots: dict[int, int] = {}  # seq id -> its row of the count tables
         self._free: list[int] = []
         self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # completion
@@ -100,10 +62,10 @@ class RowProcessor:
             x.view(-1).index_add_(0, to_device(where, torch.long, self.device),
                                   to_device(values, torch.float32, self.device))
         masked = [i for i in todo if rows[i].sampling.processing.grammar is not None]
-        ahead = self._ahead.take()  # before any grammar state is touched here
-        self._asked = []
         if masked:
-            allowed = self._grammar_masks([rows[i] for i in masked], ahead, in_flight, vocab)
+            allowed = self._masks.bitmasks(
+                [(rows[i].sampling.processing.grammar, self._generated(rows[i], in_flight))
+                 for i in masked], vocab)
             bits = self._staging.to_device(allowed)
             bits = ((bits.unsqueeze(-1) >> torch.arange(8, device=x.device, dtype=torch.uint8))
                     & 1).view(len(masked), -1)[:, :vocab].bool()
@@ -113,36 +75,6 @@ class RowProcessor:
                 index = to_device(masked, torch.long, self.device)
                 x[index] = x[index].masked_fill(~bits, float("-inf"))
         return x, counted
-
-    def _grammar_masks(self, rows: list[ScheduledSeq], ahead: dict, in_flight,
-                       vocab: int) -> np.ndarray:
-        """The rows' packed masks: made ahead where they follow what the row has generated
-        (with its token in flight), else now."""
-        packed: list[np.ndarray | None] = [None] * len(rows)
-        asked = []
-        for k, row in enumerate(rows):
-            made = ahead.get(row.seq_id)
-            if made is not None and len(made[0]) == len(row.history[1]) + (
-                    row.tokens[0] == PENDING):
-                packed[k] = made[1]
-                asked.append((row.seq_id, row.sampling.processing.grammar, made[0]))
-        now = [k for k in range(len(rows)) if packed[k] is None]
-        if now:
-            generated = [self._generated(rows[k], in_flight) for k in now]
-            states = [rows[k].sampling.processing.grammar for k in now]
-            for k, mask in zip(now, self._masks.bitmasks(list(zip(states, generated)), vocab)):
-                packed[k] = mask
-            asked += [(rows[k].seq_id, state, g) for k, state, g in zip(now, states, generated)]
-        self._asked = asked
-        return np.stack(packed)
-
-    def look_ahead(self, tokens: Callable[[], dict[int, int]]) -> None:
-        """Start the next step's masks of this step's grammar rows, on their own thread, from
-        this step's tokens (tokens() waits for them): a pipelined executor calls it once the
-        step is queued."""
-        if self._asked:
-            self._ahead.start(self._asked, tokens, self.vocab)
-            self._asked = []
 
     @staticmethod
     def _generated(row: ScheduledSeq, in_flight) -> list[int]:

@@ -143,30 +143,6 @@ def test_prepared_states_mask_as_fresh_ones(tiny_dirs):
     assert not np.array_equal(state.bitmask(brace, 300), fresh)
 
 
-def test_a_token_taken_ahead_that_the_sequence_did_not_keep_is_rolled_back(tiny_dirs):
-    """A state that took in a token ahead (the torch engine makes the next step's masks
-    before the step's tokens are the sequence's) masks as a fresh state when the sequence
-    went otherwise: a different last token, or none yet."""
-    from engines.grammar import GrammarState
-
-    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
-    grammar, end = json_schema_grammar(SCHEMA), min(tok.eos_token_ids)
-
-    def fresh():
-        return GrammarState(grammar, tok.grammar_vocabulary(), frozenset({end}))
-
-    brace, first = tok.encode("{"), tok.encode('{"')
-    assert len(first) == 2 or first[:1] != brace  # two tokens, or another first one
-    other = [*brace, *tok.encode(" ")]
-    state = fresh()
-    state.bitmask(brace, 300)
-    state.bitmask([*brace, first[-1]] if first[:1] == brace else first, 300)  # ahead
-    assert np.array_equal(state.bitmask(other, 300), fresh().bitmask(other, 300))
-    state = fresh()
-    state.bitmask([*brace, first[-1]] if first[:1] == brace else first, 300)
-    assert np.array_equal(state.bitmask(brace, 300), fresh().bitmask(brace, 300))
-
-
 def test_a_grammar_is_made_beside_the_steps_and_a_stopped_one_never_joins(tiny_dirs,
                                                                         monkeypatch):
     """Making a request's grammar (its vocabulary view takes over a second for a real model)
