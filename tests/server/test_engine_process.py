@@ -122,6 +122,32 @@ async def test_log_probabilities_and_a_grammar_cross_the_process_boundary():
         assert await worker.aclose(10)
 
 
+def test_a_steps_log_probabilities_cross_the_pipe_whole():
+    """A Step's log-probabilities and its prompt's travel as plain tuples and come back as the
+    same TokenLogprobs (the child's event, pickled as the pipe does, read by the parent)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from engines.base import Step, TokenLogprobs
+    from engines.runtime.process import ProcessLoop, _Child
+    from engines.runtime.runtime import Submission
+
+    sent = [
+        Step(7, "a", None, TokenLogprobs(-0.5, ((7, -0.5), (3, -1.25))),
+             (None, TokenLogprobs(-2.0, ((1, -0.1),)), TokenLogprobs(-3.0))),
+        Step(8, "b", "stop", None, None),
+    ]
+    child = _Child(None, "test")
+    for step in sent:
+        child._event(5, step)
+    wire = pickle.loads(ForkingPickler.dumps(child._out))
+    assert TokenLogprobs not in {type(x) for item in wire for x in item}  # plain on the wire
+    parent = ProcessLoop("test")
+    got = []
+    parent._subs[5] = Submission([1], SamplingParams(max_tokens=2), got.append)
+    parent._dispatch(wire, None)
+    assert got == sent
+
+
 async def test_the_batch_and_kv_use_show_while_requests_run():
     worker = await started(echo(token_delay_s=0.01), max_queue=8)
     try:
