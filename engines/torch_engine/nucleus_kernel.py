@@ -81,44 +81,37 @@ if triton is not None:
         return tl.sum(total), tl.min(above), tl.max(below)
 
     @triton.jit
+    def _search(row, V, lo, hi, floor, goal, BLOCK: tl.constexpr, MASS: tl.constexpr):
+        """The largest bits in [lo, hi] whose probabilities at or above (and at least floor)
+        hold at least goal of the mass (MASS) or number at least goal. The range's ends are
+        always bits the row holds; its middle splits it, then the end that moves snaps to the
+        nearest bits present on its side."""
+        while lo < hi:
+            cut = lo + (hi - lo + 1) // 2
+            total, above, below = _split(row, V, cut, floor, BLOCK, MASS)
+            if total >= goal:
+                lo = above
+            else:
+                hi = below
+        return lo
+
+    @triton.jit
     def _borders_kernel(Probs, stride, Floats, Ints, Out, V, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         probs = Probs + row * stride
         top_p = tl.load(Floats + row * 3 + 2)
         k = tl.load(Ints + row * 3 + 2).to(tl.int32)  # V where the row has no top_k
         kept, least, most = _ends(probs, V, BLOCK)
-        # top_k: the largest bits whose tokens at or above number at least k. The range's
-        # ends are always bits the row holds; its middle splits it, then the end that moves
-        # snaps to the nearest bits present on its side.
         floor = least
         border = 0
-        if k < V:
-            lo = least
-            hi = most
-            while lo < hi:
-                cut = lo + (hi - lo + 1) // 2
-                n, above, below = _split(probs, V, cut, least, BLOCK, False)
-                if n >= k:
-                    lo = above
-                else:
-                    hi = below
-            floor = lo
-            border = lo
+        if k < V:  # top_k: the largest bits whose tokens at or above number at least k
+            floor = _search(probs, V, least, most, least, k, BLOCK, False)
+            border = floor
             kept, _above, _below = _split(probs, V, floor, least, BLOCK, True)
         # top_p: the largest bits whose tokens at or above (and within top_k) hold at least
         # top_p of the mass top_k kept; the likeliest token always stays.
         if top_p < 1.0:
-            target = top_p * kept
-            lo = floor
-            hi = most
-            while lo < hi:
-                cut = lo + (hi - lo + 1) // 2
-                mass, above_p, below_p = _split(probs, V, cut, floor, BLOCK, True)
-                if mass >= target:
-                    lo = above_p
-                else:
-                    hi = below_p
-            border = lo
+            border = _search(probs, V, floor, most, floor, top_p * kept, BLOCK, True)
         tl.store(Out + row, border.to(tl.float32, bitcast=True))
 
 
