@@ -159,8 +159,9 @@ class Sampler:
     Compiled (by Inductor where the decode step is: CUDA), probabilities() and race() are a
     few fused kernels; eagerly, the seeded noise alone is a dozen full passes over [B, V]
     (0.75 ms a step for 64 rows of a 49k vocabulary on an H100, 0.15 ms compiled). The
-    nucleus stays eager: Inductor (torch 2.11) fails to generate its cumulative sum over a
-    row of symbolic length. Compiled, a batch of one row would get graphs of its own (Dynamo
+    nucleus is not compiled: Inductor (torch 2.11) fails to generate its cumulative sum over
+    a row of symbolic length; on CUDA the graphs find each row's border with a Triton search
+    instead of a sort (nucleus_kernel, given as borders). Compiled, a batch of one row would get graphs of its own (Dynamo
     specializes a size of 1): cuda_graphs' GraphSampler never draws fewer than two. The
     eager sampler of the CPU and MPS ranks few tokens where it can (nucleus_eager) and makes
     noise for the tokens the nucleus kept alone (race_among): both read the device."""
