@@ -5,7 +5,7 @@ holds part of a character shows U+FFFD there; its `bytes` are exact)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engines.base import Step, TokenLogprobs
 
@@ -15,6 +15,9 @@ class LogprobsFormat:
     chat: bool
     tokenizer: object  # has token_bytes(ids) -> list[bytes]
     offset: int = 0  # the completion text's characters so far (text_offset)
+    # token -> (its text, its bytes) for the tokens this request has named so far: a stream's
+    # alternatives repeat, and at 64 streams the server names some 200,000 tokens a second.
+    _names: dict[int, tuple[str, list[int]]] = field(default_factory=dict, repr=False)
 
     def of(self, steps: Sequence[Step]) -> dict | None:
         """The logprobs object for these steps (those without log-probabilities skipped: the
@@ -24,8 +27,7 @@ class LogprobsFormat:
             return None
         ids, scores = [s.token_id for s in scored], [s.logprobs for s in scored]
         if self.chat:
-            spelled = self._spelled(ids, scores)
-            return {"content": [self._chat_entry(s, spelled) for s in scored], "refusal": None}
+            return {"content": self._chat_entries(ids, scores), "refusal": None}
         return self._legacy(ids, scores)
 
     def of_prompt(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
@@ -33,18 +35,25 @@ class LogprobsFormat:
         gives it; the offsets run on into the completion's."""
         return self._legacy(ids, scores)
 
-    def _spelled(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
-        """token -> its bytes, for these tokens and their alternatives, in one call."""
-        every = list(ids) + [t for s in scores if s is not None for t, _ in s.top]
-        return dict(zip(every, self.tokenizer.token_bytes(every)))
+    def _named(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
+        """token -> (its text, its bytes), for these tokens and their alternatives: those not
+        named before spelled by the tokenizer in one call."""
+        names = self._names
+        new = {t for t in ids if t not in names}
+        new.update(t for s in scores if s is not None for t, _ in s.top if t not in names)
+        if new:
+            new = list(new)
+            for token, raw in zip(new, self.tokenizer.token_bytes(new)):
+                names[token] = (_text(raw), list(raw))
+        return names
 
     def _legacy(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
         """Completions' parallel lists; top_logprobs holds the k likeliest and the chosen
         token, as OpenAI's legacy API gives them."""
-        spelled = self._spelled(ids, scores)
+        names = self._named(ids, scores)
         tokens, offsets = [], []
         for token in ids:
-            text = _text(spelled[token])
+            text = names[token][0]
             tokens.append(text)
             offsets.append(self.offset)
             self.offset += len(text)
@@ -52,20 +61,22 @@ class LogprobsFormat:
             "tokens": tokens,
             "token_logprobs": [None if s is None else _finite(s.logprob) for s in scores],
             "top_logprobs": [None if s is None else
-                             {**{_text(spelled[t]): _finite(lp) for t, lp in s.top},
+                             {**{names[t][0]: _finite(lp) for t, lp in s.top},
                               tokens[i]: _finite(s.logprob)}
                              for i, s in enumerate(scores)],
             "text_offset": offsets,
         }
 
-    @staticmethod
-    def _chat_entry(step: Step, spelled: dict[int, bytes]) -> dict:
-        def entry(token: int, logprob: float) -> dict:
-            raw = spelled[token]
-            return {"token": _text(raw), "logprob": _finite(logprob), "bytes": list(raw)}
-
-        return {**entry(step.token_id, step.logprobs.logprob),
-                "top_logprobs": [entry(t, lp) for t, lp in step.logprobs.top]}
+    def _chat_entries(self, ids: list[int], scores: list[TokenLogprobs]) -> list[dict]:
+        names = self._named(ids, scores)
+        out = []
+        for token, scored in zip(ids, scores):
+            text, raw = names[token]
+            out.append({"token": text, "logprob": _finite(scored.logprob), "bytes": raw,
+                        "top_logprobs": [
+                            {"token": names[t][0], "logprob": _finite(lp), "bytes": names[t][1]}
+                            for t, lp in scored.top]})
+        return out
 
 
 # What a token that cannot come (masked by a grammar, banned by a bias of -100) is given
