@@ -82,10 +82,10 @@ if triton is not None:
 
     @triton.jit
     def _search(row, V, lo, hi, floor, goal, BLOCK: tl.constexpr, MASS: tl.constexpr):
-        """The largest bits in [lo, hi] whose probabilities at or above (and at least floor)
-        hold at least goal of the mass (MASS) or number at least goal. The range's ends are
-        always bits the row holds; its middle splits it, then the end that moves snaps to the
-        nearest bits present on its side."""
+        """The largest bits in [lo, hi] where the probabilities at or above them (and at least
+        floor) sum to goal or more (MASS), or number goal or more. The range's ends are always
+        bits the row holds; its middle splits it, then the end that moves snaps to the nearest
+        bits present on its side."""
         while lo < hi:
             cut = lo + (hi - lo + 1) // 2
             total, above, below = _split(row, V, cut, floor, BLOCK, MASS)
