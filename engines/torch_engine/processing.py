@@ -46,7 +46,7 @@ class RowProcessor:
         todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
         if not todo:
             return logits, None
-        x = logits.float().clone()
+        x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' type
         vocab = x.shape[-1]
         penalised = [i for i in todo if rows[i].sampling.processing.penalised]
         counted = None
