@@ -277,10 +277,10 @@ sent (`response_format` json_schema, a forced tool); with `json_object` alone (i
 mode, langchain's json_mode) only the syntax is enforced, and the model, shown a schema in the
 prompt, may copy the schema instead of filling it in (instructor's JSON mode: it writes
 `{"properties": {"name": "John Smith", "age": 30}, "required": [...` and goes on listing
-strings until `max_tokens`; with `max_tokens` 200 and `max_retries=3` the same). Its free answers seldom match a reference
-exactly (it answers "Q: ...? A:" with a whole sentence), so generation scores in lm-eval are
-low, while log-likelihood scoring of fixed choices fares better. These checks test the plumbing,
-not the quality."""
+strings until `max_tokens`; with `max_tokens` 200 and `max_retries=3` the same). Its free
+answers seldom match a reference exactly (it answers "Q: ...? A:" with a whole sentence), so
+generation scores in lm-eval are low, while log-likelihood scoring of fixed choices fares
+better. These checks test the plumbing, not the quality."""
 
 INTRO = """\
 Each library is installed alone into a virtual environment of its own (so it gets its newest

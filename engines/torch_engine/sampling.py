@@ -111,10 +111,10 @@ def nucleus(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
 def nucleus_by(borders: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
     """nucleus() with each row's border from borders(probs, floats, ints) [B, 1] (a kernel
     that finds it without ranking the row: nucleus_kernel.borders)."""
-    def nucleus(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
-                ranked: int) -> torch.Tensor:
+    def searched(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
+                 ranked: int) -> torch.Tensor:
         return probs.masked_fill(probs < borders(probs, floats, ints), 0.0)
-    return nucleus
+    return searched
 
 
 def nucleus_eager(probs: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
@@ -161,10 +161,11 @@ class Sampler:
     (0.75 ms a step for 64 rows of a 49k vocabulary on an H100, 0.15 ms compiled). The
     nucleus is not compiled: Inductor (torch 2.11) fails to generate its cumulative sum over
     a row of symbolic length; on CUDA the graphs find each row's border with a Triton search
-    instead of a sort (nucleus_kernel, given as borders). Compiled, a batch of one row would get graphs of its own (Dynamo
-    specializes a size of 1): cuda_graphs' GraphSampler never draws fewer than two. The
-    eager sampler of the CPU and MPS ranks few tokens where it can (nucleus_eager) and makes
-    noise for the tokens the nucleus kept alone (race_among): both read the device."""
+    instead of a sort (nucleus_kernel, given as borders). Compiled, a batch of one row would
+    get graphs of its own (Dynamo specializes a size of 1): cuda_graphs' GraphSampler never
+    draws fewer than two. The eager sampler of the CPU and MPS ranks few tokens where it can
+    (nucleus_eager) and makes noise for the tokens the nucleus kept alone (race_among): both
+    read the device."""
 
     def __init__(self, backend: str | None = None, captured: bool = False, borders=None):
         """backend: torch.compile's, or None for eager ops. captured: for a CUDA graph, so
@@ -174,10 +175,10 @@ class Sampler:
             (probabilities, race) if backend is None else
             (torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
              for fn in (probabilities, race)))
-        self._nucleus, self._race_ranked = ((nucleus, self._race) if captured or backend
-                                            else (nucleus_eager, race_among))
-        if borders is not None:
-            self._nucleus = nucleus_by(borders)
+        no_reads = captured or backend
+        self._race_ranked = self._race if no_reads else race_among
+        self._nucleus = (nucleus_by(borders) if borders is not None
+                         else nucleus if no_reads else nucleus_eager)
 
     def __call__(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                  ranked: int) -> torch.Tensor:

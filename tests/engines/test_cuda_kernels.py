@@ -1,5 +1,6 @@
-"""The Triton kernels of the CUDA path (decode attention, SiLU * up, the nucleus border): on this CPU through
-Triton's interpreter, on a GPU (where there is one) compiled, in bfloat16 too."""
+"""The Triton kernels of the CUDA path (decode attention, SiLU * up, the nucleus border): on
+this CPU through Triton's interpreter, on a GPU (where there is one) compiled, in bfloat16
+too."""
 
 import importlib.util
 import os
