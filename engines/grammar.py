@@ -12,6 +12,8 @@ a matcher per request.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,11 +135,16 @@ class GrammarState:
     def matcher(self):
         return self._matcher
 
-    def advance(self, generated: Sequence[int]) -> bool:
-        """Take in the tokens sampled since the last call; False if the matcher went wrong."""
+    def advance(self, generated: Sequence[int], in_flight: int | None = None) -> bool:
+        """Take in the tokens sampled since the last call (then in_flight: a token sampled
+        after `generated`, which the sequence's history does not hold yet); False if the
+        matcher went wrong."""
         for token in generated[self._consumed:]:
             self._matcher.consume_token(token)
         self._consumed = len(generated)
+        if in_flight is not None:
+            self._matcher.consume_token(in_flight)
+            self._consumed += 1
         return self.healthy()
 
     def healthy(self) -> bool:
@@ -145,6 +152,13 @@ class GrammarState:
             log.warning("a grammar ended its request early: %s", self._matcher.get_error())
             return False
         return True
+
+    def end_only_words(self, words: int) -> np.ndarray:
+        """end_only() in llguidance's layout: int32 [words], token t at bit t % 32 of word
+        t // 32."""
+        mask = np.zeros(words * 32, dtype=bool)
+        mask[[t for t in self._eos if t < min(self.vocab_size, words * 32)]] = True
+        return np.packbits(mask, bitorder="little").view(np.int32)
 
     def end_only(self, vocab: int) -> np.ndarray:
         mask = np.zeros(-(-vocab // 8) * 8, dtype=bool)
@@ -170,41 +184,112 @@ def cut_to_vocab(raw: np.ndarray, tokens: int, vocab: int) -> np.ndarray:
     return out
 
 
+def mask_words(vocab_size: int) -> int:
+    """The int32 words of one of llguidance's masks over a tokenizer of vocab_size tokens."""
+    return -(-vocab_size // 32)
+
+
 class MaskFiller:
     """Many requests' masks in one call, computed on llguidance's own threads (a mask takes
-    6-170 us by the grammar's state), and cut to the vocabulary for the whole batch at once.
-    The tokens sampled since are taken in here, one row after another: 1.5 us a token, where
-    llguidance's parallel consume cost 7 us a row on a 2-core host and 1.35 ms for 64 rows on
-    a 16-core H100 host (its threads' hand-off, not the work)."""
+    6-170 us by the grammar's state). The tokens sampled since are taken in first, one row
+    after another, on the caller's thread: 1.5 us a token, where llguidance's parallel consume
+    cost 7 us a row on a 2-core host and 1.35 ms for 64 rows on a 16-core H100 host (its
+    threads' hand-off, not the work).
+
+    take() and compute() split the work for a caller that overlaps the masks with its own:
+    take() (holding the GIL) writes the masks known at once; compute() writes the rest without
+    the GIL (llguidance releases it), so it can run on a worker (GilFree) while the caller's
+    Python goes on."""
 
     def __init__(self):
         self._executor = None
 
+    def take(self, rows: Sequence[tuple[GrammarState, Sequence[int], int | None]],
+             out: np.ndarray) -> list:
+        """Each (state, generated, in flight)'s tokens taken in (GrammarState.advance); the
+        masks known without llguidance's work (a matcher gone wrong: the end only; the first,
+        made when the request came) written to its row of out, int32 [len(rows), words] in
+        llguidance's layout (mask_words() of the states' tokenizer, the same for all). Returns
+        what compute() needs for the other rows."""
+        words = out.shape[1]
+        todo = []
+        for i, (state, generated, in_flight) in enumerate(rows):
+            if mask_words(state.vocab_size) != words:
+                raise ValueError("a batch's grammars must share one tokenizer")
+            if not state.advance(generated, in_flight):
+                out[i] = state.end_only_words(words)
+            elif (first := state.first_mask()) is not None:
+                out[i] = first.view(np.int32)[:words]
+            else:
+                todo.append((state.matcher, i))
+        return todo
+
+    def compute(self, todo: list, out: np.ndarray) -> None:
+        """The masks take() left to llguidance, written into their rows of out (which must stay
+        alive, and untouched, until this returns). Runs without the GIL."""
+        from llguidance import LLExecutor
+
+        if not todo:
+            return
+        if self._executor is None:
+            self._executor = LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(todo, out.ctypes.data, out.shape[1] * 4,
+                                               out.shape[0])
+
     def bitmasks(self, rows: Sequence[tuple[GrammarState, Sequence[int]]],
                  vocab: int) -> np.ndarray:
         """uint8 [len(rows), ceil(vocab / 8)]: each (state, generated)'s bitmask()."""
-        from llguidance import LLExecutor
-        from llguidance.numpy import fill_next_token_bitmask_par
+        if not rows:
+            return np.zeros((0, -(-vocab // 8)), dtype=np.uint8)
+        tokens = rows[0][0].vocab_size
+        out = np.zeros((len(rows), mask_words(tokens)), dtype=np.int32)
+        self.compute(self.take([(state, generated, None) for state, generated in rows], out),
+                     out)
+        return cut_to_vocab(out.view(np.uint8), tokens, vocab)
 
-        if self._executor is None:
-            self._executor = LLExecutor()
-        out = np.zeros((len(rows), -(-vocab // 8)), dtype=np.uint8)
-        live = []
-        for i, (state, generated) in enumerate(rows):
-            if not state.advance(generated):
-                out[i] = state.end_only(vocab)
-            elif (first := state.first_mask()) is not None:
-                out[i] = state.packed(first, vocab)
-            else:
-                live.append(i)
-        if not live:
-            return out
-        words = max(-(-rows[i][0].vocab_size // 32) for i in live)
-        raw = np.zeros((len(live), words), dtype=np.int32)
-        fill_next_token_bitmask_par(
-            self._executor, [(rows[i][0].matcher, k) for k, i in enumerate(live)], raw)
-        raw = raw.view(np.uint8)
-        for tokens in {rows[i][0].vocab_size for i in live}:  # one tokenizer, in practice
-            these = [k for k, i in enumerate(live) if rows[i][0].vocab_size == tokens]
-            out[[live[k] for k in these]] = cut_to_vocab(raw[these], tokens, vocab)
-        return out
+
+class GilFree:
+    """One worker thread for calls that release the GIL (llguidance's masks): start() hands
+    one over and returns once the worker holds it, so the call is under way while the caller
+    goes on (a thread that has to ask for the GIL may wait the interpreter's whole switch
+    interval, 5 ms, behind a busy caller); wait() gives its result."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+
+    def start(self, fn) -> Job:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="grammar-masks", daemon=True)
+            self._thread.start()
+        job = Job(fn)
+        self._jobs.put(job)
+        job.started.wait()
+        return job
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.started.set()
+            try:
+                job.fn()
+            except BaseException as exc:  # raised where the caller waits
+                job.error = exc
+            job.done.set()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+
+class Job:
+    """A call handed to GilFree: wait() for it."""
+
+    def __init__(self, fn):
+        self.fn, self.error = fn, None
+        self.started, self.done = threading.Event(), threading.Event()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error

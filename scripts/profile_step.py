@@ -30,7 +30,9 @@ class Timer:
         self.spent: dict[str, list[float]] = {}
 
     def wrap(self, obj, name: str, label: str, sync=None):
-        fn = getattr(obj, name)
+        fn = getattr(obj, name, None)
+        if fn is None:  # another version of the engine (an A/B run)
+            return
 
         def timed(*a, **k):
             started = time.perf_counter()
@@ -85,11 +87,7 @@ def host_profile(step, steps: int) -> str:
 
 
 def main() -> int:
-    import torch
-
-    from engines.grammar import MaskFiller
     from engines.models.dummy import write_dummy_model
-    from engines.runtime.runtime import Runtime, Submission
     from engines.torch_engine import TorchEngine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,8 +100,12 @@ def main() -> int:
     parser.add_argument("--cache", default="/tmp/duet-profile")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of B=max here")
     parser.add_argument("--model-dir", default=None, help="this model directory, not --model")
-    parser.add_argument("--feature", default="none", help="none or one of bench_features.py's")
+    parser.add_argument("--feature", default="none",
+                        help="none or bench_features.py's features, comma-separated")
     parser.add_argument("--no-kernels", action="store_true", help="skip torch.profiler")
+    parser.add_argument("--mask-threads", type=int, default=None,
+                        help="llguidance's threads for the grammar masks (its default: 80%% "
+                             "of the CPUs)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
     batches = [int(b) for b in args.batches.split(",")]
@@ -113,62 +115,78 @@ def main() -> int:
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
                          compile=args.compile, max_batch=max(batches))
     print(f"load {time.perf_counter() - started:.1f} s", flush=True)
-    params = feature_params(args.feature, args.context - args.prompt_tokens - 1)
-    for b in batches:
-        runtime = Runtime(engine, max_batch=b, max_prefill_tokens=max(512, args.prompt_tokens))
-        timer = Timer()
-        ex = runtime.executor
-        timer.wrap(ex, "launch", "executor.launch")
-        timer.wrap(ex, "collect", "executor.collect (read-back)")
-        if ex.decoder is not None:
-            timer.wrap(ex.decoder, "run", "decoder.run (host + launch)")
-        sync = torch.cuda.synchronize if engine.device.startswith("cuda") else None
-        timer.wrap(ex, "_forward", "prefill forward", sync=sync)
-        timer.wrap(runtime, "step", "runtime.step")
-        timer.wrap(runtime, "_handle", "runtime._handle (tokens to events)")
-        timer.wrap(runtime.scheduler, "schedule", "scheduler.schedule")
-        timer.wrap(ex._processor, "apply", "processing.apply (host)")
-        timer.wrap(ex, "_in_flight", "wait for the last tokens")
-        timer.wrap(MaskFiller, "bitmasks", "grammar masks")
-        prompts = [[(31 * i + 7 * j) % 9000 + 100 for j in range(args.prompt_tokens)]
-                   for i in range(b)]
-        for p in prompts:
-            runtime.add(Submission(p, params, lambda e: None))
-        while any(live.out.n == 0 for live in runtime._live.values()):
-            runtime.step()
-        prefill = dict(timer.spent)
-        timer.spent.clear()
-        for _ in range(args.steps):
-            runtime.step()
-        line = {k: timer.median_ms(k) for k in timer.spent}
-        line["prefill forward (all prompts)"] = round(sum(prefill.get("prefill forward", [0]))
-                                                      * 1000, 2)
-        print(f"B={b}: {line}", flush=True)
-        print(f"B={b}: {b / (line['runtime.step'] / 1000):.0f} tok/s at the step's median",
-              flush=True)
-        if args.feature != "none":
-            print(host_profile(runtime.step, args.steps), flush=True)
-        if args.no_kernels:
-            runtime.stop_all()
-            while runtime.has_work:
-                runtime.step()
-            continue
-        from torch.profiler import ProfilerActivity, profile
+    for feature in args.feature.split(","):
+        params = feature_params(feature, args.context - args.prompt_tokens - 1)
+        for b in batches:
+            profile_batch(args, engine, feature, params, b)
+    return 0
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                runtime.step()
-            if sync is not None:
-                sync()
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
-                                          max_name_column_width=60)
-        print(table, flush=True)
-        if args.trace and b == max(batches):
-            prof.export_chrome_trace(args.trace)
+
+def profile_batch(args, engine, feature: str, params, b: int) -> None:
+    """One feature at batch b: the step's time split, its host profile, its kernels."""
+    import torch
+
+    from engines.runtime.runtime import Runtime, Submission
+
+    runtime = Runtime(engine, max_batch=b, max_prefill_tokens=max(512, args.prompt_tokens))
+    timer = Timer()
+    ex = runtime.executor
+    timer.wrap(ex, "launch", "executor.launch")
+    timer.wrap(ex, "collect", "executor.collect (read-back)")
+    if ex.decoder is not None:
+        timer.wrap(ex.decoder, "run", "decoder.run (host + launch)")
+    sync = torch.cuda.synchronize if engine.device.startswith("cuda") else None
+    timer.wrap(ex, "_forward", "prefill forward", sync=sync)
+    timer.wrap(runtime, "step", "runtime.step")
+    timer.wrap(runtime, "_handle", "runtime._handle (tokens to events)")
+    timer.wrap(runtime.scheduler, "schedule", "scheduler.schedule")
+    if args.mask_threads is not None:
+        from llguidance import LLExecutor
+
+        ex._processor._masks._executor = LLExecutor(args.mask_threads)
+    timer.wrap(ex._processor, "begin", "processing.begin (host)")
+    timer.wrap(ex._processor, "finish", "processing.finish (host, waits for the masks)")
+    timer.wrap(ex, "_in_flight", "wait for the last tokens")
+    timer.wrap(ex._processor._masks, "take", "grammar: tokens taken in")
+    timer.wrap(ex._processor._masks, "compute", "grammar masks (on the worker if pipelined)")
+    prompts = [[(31 * i + 7 * j) % 9000 + 100 for j in range(args.prompt_tokens)]
+               for i in range(b)]
+    for p in prompts:
+        runtime.add(Submission(p, params, lambda e: None))
+    while any(live.out.n == 0 for live in runtime._live.values()):
+        runtime.step()
+    prefill = dict(timer.spent)
+    timer.spent.clear()
+    for _ in range(args.steps):
+        runtime.step()
+    line = {k: timer.median_ms(k) for k in timer.spent}
+    line["prefill forward (all prompts)"] = round(sum(prefill.get("prefill forward", [0]))
+                                                  * 1000, 2)
+    print(f"{feature} B={b}: {line}", flush=True)
+    print(f"{feature} B={b}: {b / (line['runtime.step'] / 1000):.0f} tok/s at the step's "
+          "median", flush=True)
+    if feature != "none":
+        print(host_profile(runtime.step, args.steps), flush=True)
+    if args.no_kernels:
         runtime.stop_all()
         while runtime.has_work:
             runtime.step()
-    return 0
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            runtime.step()
+        if sync is not None:
+            sync()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                      max_name_column_width=60)
+    print(table, flush=True)
+    if args.trace and b == max(int(n) for n in args.batches.split(",")):
+        prof.export_chrome_trace(args.trace)
+    runtime.stop_all()
+    while runtime.has_work:
+        runtime.step()
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
-from .processing import RowProcessor
-from .sampling import Sampler, sample_rows, score_tokens, token_logprobs
+from .processing import Processing, RowProcessor
+from .sampling import Sampler, ScoredRows, sample_rows, score_tokens, token_logprobs
 from .transfer import ReadBack
 
 
@@ -29,6 +30,19 @@ def prefill_attention(device: str):
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
+
+
+@dataclass
+class Launched:
+    """A launched step, as collect() reads it: its sampled rows, its prompts' scores, and once
+    drawn, its tokens on their way to the host (ReadBack) and its log-probabilities; until
+    then, its processing under way (RowProcessor.begin)."""
+
+    due: Sequence[ScheduledSeq]
+    prompt_scores: dict
+    processing: Processing | None = None
+    pending: list[int] | tuple[torch.Tensor, torch.cuda.Event] | None = None
+    scored: ScoredRows | None = None
 
 
 class TorchExecutor:
@@ -46,6 +60,7 @@ class TorchExecutor:
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._last_read = None  # the same picks on their way to the host (ReadBack.start)
+        self._deferred: Launched | None = None  # a step whose draw waits for its masks
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
         self._sampler = decoder.sampler if decoder is not None and decoder.head else Sampler()
@@ -60,6 +75,7 @@ class TorchExecutor:
             raise self.ranks.failed(exc) from exc
 
     def _launch(self, plan: StepPlan):
+        self._settle()  # the last step's picks, which this step's PENDING rows read
         self._processor.release(plan.released)
         if self.ranks is not None:
             self.ranks.step(plan.prefill, plan.decode, share=self.pipelined)
@@ -81,31 +97,60 @@ class TorchExecutor:
                     greedy.append(picks if picks is None or whole else picks[keep])
                     due += [rows[i] for i in keep]
             if not due:
-                return (), None, None, prompt_scores
+                return Launched((), prompt_scores)
             if self.on_logits is not None:
                 self.on_logits(due, torch.cat(logits))
             processed = any(r.sampling.processing is not None for r in due)
             if all(r.sampling.greedy for r in due) and not processed:
                 tokens = torch.cat([torch.argmax(x, dim=-1) if g is None else g
                                     for x, g in zip(logits, greedy)])
-                whole = None
-            else:  # the graphs' greedy picks were made before any processing: picked anew
-                whole, counted = self._processor.apply(
-                    torch.cat(logits) if len(logits) > 1 else logits[0], due, self._in_flight)
-                tokens = sample_rows(whole, due, self._sampler)
-                self._processor.count(counted, tokens)
-            ids = tuple(r.seq_id for r in due)
-            scored = None
-            if any(r.sampling.logprobs is not None for r in due):
-                whole = whole if whole is not None else torch.cat(logits)
-                scored = token_logprobs(whole, tokens, due)
-            if self.ranks is not None and self.pipelined:
-                self.ranks.share(tokens)  # the ranks' next step takes its PENDING tokens here
-            pending = self._readback.start(tokens)
-            if self.pipelined:  # where the next step's PENDING rows find their tokens
-                self._last = (tokens, {seq_id: i for i, seq_id in enumerate(ids)})
-                self._last_read = pending
-            return ids, pending, scored, prompt_scores
+                scored = any(r.sampling.logprobs is not None for r in due)
+                return self._sampled(Launched(due, prompt_scores), tokens,
+                                     torch.cat(logits) if scored else None)
+            # The graphs' greedy picks were made before any processing: picked anew. Pipelined
+            # (no tensor parallelism, whose ranks take the picks at once), the grammar masks are
+            # computed on a worker while the runtime reads back and hands out the last step, and
+            # the draw waits for them at the start of the next launch (or this step's collect).
+            step = self._processor.begin(
+                torch.cat(logits) if len(logits) > 1 else logits[0], due, self._in_flight,
+                overlap=self.pipelined and self.ranks is None)
+            launched = Launched(due, prompt_scores, step)
+            if step.masks is None:
+                self._draw(launched)
+            else:
+                self._deferred = launched
+            return launched
+
+    def _draw(self, launched: Launched) -> None:
+        """The processed step's tokens: its masks applied, its rows drawn."""
+        whole, counted = self._processor.finish(launched.processing)
+        launched.processing = None
+        tokens = sample_rows(whole, launched.due, self._sampler)
+        self._processor.count(counted, tokens)
+        self._sampled(launched, tokens, whole)
+
+    def _settle(self) -> None:
+        """Draw the step whose masks were computing, if one is."""
+        launched, self._deferred = self._deferred, None
+        if launched is not None:
+            with torch.inference_mode():
+                self._draw(launched)
+
+    def _sampled(self, launched: Launched, tokens: torch.Tensor,
+                 whole: torch.Tensor | None) -> Launched:
+        """The step's tokens on their way to the host, the log-probabilities its rows asked
+        for (from whole, the logits they were drawn from), and, pipelined, where the next
+        step's PENDING rows find their tokens."""
+        due = launched.due
+        if any(r.sampling.logprobs is not None for r in due):
+            launched.scored = token_logprobs(whole, tokens, due)
+        if self.ranks is not None and self.pipelined:
+            self.ranks.share(tokens)  # the ranks' next step takes its PENDING tokens here
+        launched.pending = self._readback.start(tokens)
+        if self.pipelined:
+            self._last = (tokens, {r.seq_id: i for i, r in enumerate(due)})
+            self._last_read = launched.pending
+        return launched
 
     def _in_flight(self, seq_id: int) -> int:
         """The token the last step sampled for seq_id, on the host: a grammar's matcher needs
@@ -115,12 +160,15 @@ class TorchExecutor:
             self._last_read = ReadBack.finish(self._last_read)
         return self._last_read[self._last[1][seq_id]]
 
-    def collect(self, handle) -> StepOutput:
-        ids, pending, scored, prompt_scores = handle
-        if not ids:
-            return StepOutput({}, prompt_logprobs=prompt_scores)
-        tokens = dict(zip(ids, self._readback.finish(pending)))
-        return StepOutput(tokens, scored.read() if scored is not None else {}, prompt_scores)
+    def collect(self, handle: Launched) -> StepOutput:
+        if not handle.due:
+            return StepOutput({}, prompt_logprobs=handle.prompt_scores)
+        if handle is self._deferred:  # no step launched since to draw it
+            self._settle()
+        tokens = dict(zip((r.seq_id for r in handle.due),
+                          self._readback.finish(handle.pending)))
+        scored = handle.scored.read() if handle.scored is not None else {}
+        return StepOutput(tokens, scored, handle.prompt_scores)
 
     def _forward(self, rows: Sequence[ScheduledSeq], prompt_scores: dict) -> torch.Tensor:
         """The rows' last positions' logits; a scored prompt chunk's positions are scored into
@@ -141,5 +189,8 @@ class TorchExecutor:
         self._processor.release(seq_ids)  # the penalties' counts; a row carries the rest
 
     def close(self) -> None:
-        self._last = None
+        if self._deferred is not None and self._deferred.processing is not None:
+            self._deferred.processing.masks.wait()  # llguidance writes into its buffer
+        self._last, self._deferred = None, None
+        self._processor.close()
         self._processor = RowProcessor(self.model.args.vocab_size, self.device)

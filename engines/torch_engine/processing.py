@@ -10,12 +10,26 @@ batch and sent over in one copy each, not one per row."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ..grammar import MaskFiller
+from ..grammar import GilFree, Job, MaskFiller, mask_words
 from ..runtime.plan import PENDING, ScheduledSeq
 from .transfer import Staging, to_device
+
+
+@dataclass
+class Processing:
+    """A step's processing under way (RowProcessor.begin): the processed logits, the
+    penalised rows for count(), the grammar rows and, computing their masks, the worker's
+    job."""
+
+    x: torch.Tensor
+    counted: tuple[torch.Tensor, torch.Tensor] | None
+    masked: list[int] = field(default_factory=list)
+    masks: Job | None = None
 
 
 class RowProcessor:
@@ -29,6 +43,8 @@ class RowProcessor:
         self._free: list[int] = []
         self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # completion
         self._in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self._worker = GilFree()  # where begin(overlap=True) computes the masks
+        self._bits: torch.Tensor | None = None  # 1 << i for i < 32: a mask word's bits
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
@@ -42,9 +58,16 @@ class RowProcessor:
         has some, else the logits themselves), and the penalised rows' (row index, slot) for
         count() once their tokens are sampled. in_flight(seq_id): the last token of a row fed
         PENDING (a pipelined step), which its history does not hold yet."""
+        return self.finish(self.begin(logits, rows, in_flight))
+
+    def begin(self, logits: torch.Tensor, rows: Sequence[ScheduledSeq],
+              in_flight: Callable[[int], int] | None = None, overlap: bool = False):
+        """apply() up to the grammar masks: penalties and bias queued on the device, the
+        grammar rows' tokens taken in; with overlap, their masks then computed on the worker
+        while the caller goes on (finish() waits for them), else at once."""
         todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
         if not todo:
-            return logits, None
+            return Processing(logits, None)
         x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' type
         vocab = x.shape[-1]
         penalised = [i for i in todo if rows[i].sampling.processing.penalised]
@@ -61,26 +84,48 @@ class RowProcessor:
             x.view(-1).index_add_(0, to_device(where, torch.long, self.device),
                                   to_device(values, torch.float32, self.device))
         masked = [i for i in todo if rows[i].sampling.processing.grammar is not None]
+        step = Processing(x, counted, masked)
         if masked:
-            allowed = self._masks.bitmasks(
-                [(rows[i].sampling.processing.grammar, self._generated(rows[i], in_flight))
-                 for i in masked], vocab)
-            bits = self._staging.to_device(allowed)
-            bits = ((bits.unsqueeze(-1) >> torch.arange(8, device=x.device, dtype=torch.uint8))
-                    & 1).view(len(masked), -1)[:, :vocab].bool()
-            if len(masked) == len(rows):  # every row: no gather and scatter
-                x.masked_fill_(~bits, float("-inf"))
+            # Written by llguidance straight into the pinned buffer that goes to the device.
+            tokens = rows[masked[0]].sampling.processing.grammar.vocab_size
+            words = self._staging.borrow((len(masked), mask_words(tokens)), np.int32)
+            left = self._masks.take(
+                [(rows[i].sampling.processing.grammar, rows[i].history[1],
+                  in_flight(rows[i].seq_id) if rows[i].tokens[0] == PENDING else None)
+                 for i in masked], words)
+            if overlap and left:
+                step.masks = self._worker.start(lambda: self._masks.compute(left, words))
             else:
-                index = to_device(masked, torch.long, self.device)
-                x[index] = x[index].masked_fill(~bits, float("-inf"))
-        return x, counted
+                self._masks.compute(left, words)
+        return step
 
-    @staticmethod
-    def _generated(row: ScheduledSeq, in_flight) -> list[int]:
-        generated = row.history[1]
-        if row.tokens[0] == PENDING:
-            generated = [*generated, in_flight(row.seq_id)]
-        return generated
+    def finish(self, step: Processing):
+        """begin()'s logits with the grammar masks applied, and the penalised rows for
+        count()."""
+        if not step.masked:
+            return step.x, step.counted
+        if step.masks is not None:
+            step.masks.wait()
+        x, masked = step.x, step.masked
+        words = self._staging.send()  # int32 [rows, words], token t at bit t % 32
+        if self._bits is None:
+            self._bits = torch.ones(32, dtype=torch.int32, device=x.device) << torch.arange(
+                32, dtype=torch.int32, device=x.device)
+        vocab = x.shape[-1]
+        refused = torch.bitwise_and(words.unsqueeze(-1), self._bits).view(len(masked), -1)
+        refused = refused[:, :vocab] == 0
+        if refused.shape[1] < vocab:  # an embedding padded past the tokenizer
+            refused = torch.cat([refused, refused.new_ones(len(masked),
+                                                           vocab - refused.shape[1])], dim=1)
+        if len(masked) == x.shape[0]:  # every row: no gather and scatter
+            x.masked_fill_(refused, float("-inf"))
+        else:
+            index = to_device(masked, torch.long, self.device)
+            x[index] = x[index].masked_fill(refused, float("-inf"))
+        return x, step.counted
+
+    def close(self) -> None:
+        self._worker.close()
 
     def count(self, counted, tokens: torch.Tensor) -> None:
         """Add the penalised rows' sampled tokens to their counts, on the device."""

@@ -24,18 +24,24 @@ class Staging:
     """Host arrays to the device through two pinned buffers kept from step to step, taking
     turns: to_device()'s pinned copy allocates its pinned memory anew each call (0.23 ms for a
     64-row batch's grammar masks, 393 KB, on an H100 host). A buffer is refilled only once its
-    last copy is done (its event), which by then it has been, a step later."""
+    last copy is done (its event), which by then it has been, a step later. borrow() lends the
+    buffer itself, to be filled in place (by llguidance, say), and send() copies it over."""
 
     def __init__(self, device: str):
         self.device = device
         self.cuda = torch.device(device).type == "cuda"
         self._buffers: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None, None]
         self._turn = 0
+        self._lent: tuple[np.ndarray, torch.Tensor | None, torch.cuda.Event | None] | None = None
 
-    def to_device(self, values: np.ndarray) -> torch.Tensor:
-        if not self.cuda:  # a copy, as on CUDA: the caller may reuse its array
-            return torch.from_numpy(values.copy()).to(self.device)
-        size = values.nbytes
+    def borrow(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A host array of shape and dtype to fill before send(): pinned memory on CUDA."""
+        dtype = np.dtype(dtype)
+        if not self.cuda:
+            out = np.empty(shape, dtype=dtype)
+            self._lent = (out, None, None)
+            return out
+        size = int(np.prod(shape)) * dtype.itemsize
         kept = self._buffers[self._turn]
         if kept is None or kept[0].numel() < size:
             kept = (torch.empty(max(size, 2 * kept[0].numel() if kept else 0),
@@ -45,11 +51,24 @@ class Staging:
             kept[1].synchronize()
         self._turn ^= 1
         buffer, done = kept
-        buffer.numpy()[:size] = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
-        host = buffer[:size].view(torch.from_numpy(values[:0]).dtype).view(values.shape)
-        out = host.to(self.device, non_blocking=True)
-        done.record()
+        out = buffer.numpy()[:size].view(dtype).reshape(shape)
+        self._lent = (out, buffer[:size], done)
         return out
+
+    def send(self) -> torch.Tensor:
+        """The array borrow() lent last, on the device (its copy queued, not waited for)."""
+        out, host, done = self._lent
+        self._lent = None
+        if host is None:  # a copy, as on CUDA: the caller may reuse its array
+            return torch.from_numpy(out).to(self.device)
+        sent = host.view(torch.from_numpy(out[:0]).dtype).view(out.shape).to(
+            self.device, non_blocking=True)
+        done.record()
+        return sent
+
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
+        self.borrow(values.shape, values.dtype)[...] = values
+        return self.send()
 
 
 class ToHost:

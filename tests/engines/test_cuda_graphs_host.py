@@ -170,7 +170,8 @@ def test_pipelined_rows_with_processing_run_every_step_and_get_their_solo_tokens
         tiny_dirs, monkeypatch):
     """Penalties (counts kept on the device) and a grammar (its last token read from the step
     that sampled it) are applied to rows whose token is still in flight: those rows run every
-    step, not every other, and each request gets what it gets alone on the plain engine."""
+    step, not every other, and each request gets what it gets alone on the plain engine. A
+    step with a grammar is drawn late, once its masks are made beside the runtime's work."""
     from engines.grammar import json_schema_grammar
 
     monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
@@ -193,9 +194,17 @@ def test_pipelined_rows_with_processing_run_every_step_and_get_their_solo_tokens
     engine.decoder.run = lambda rows, last=None: (
         fed.extend(r.tokens[0] == PENDING for r in rows if r.sampling.processing is not None),
         run(rows, last))[1]
-    got, _ = run_together(Runtime(engine, max_batch=3, max_prefill_tokens=64), jobs)
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    deferred = []  # whether each launched step's draw waited for its masks
+    launch = runtime.executor.launch
+    runtime.executor.launch = lambda plan: (launch(plan), deferred.append(
+        runtime.executor._deferred is not None))[0]
+    got, _ = run_together(runtime, jobs)
     assert got == solo
     assert len(fed) >= 12 + len(got[1]) - 4 and sum(fed) > len(fed) * 3 // 4
+    # The grammar's masks were computed on the worker while the runtime went on, its steps
+    # drawn at the next launch (or their collect).
+    assert sum(deferred) >= len(got[1]) - 2
     assert engine.kv_pool.used_blocks == 0
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engines.base import SamplingParams
-from engines.grammar import GrammarError, json_schema_grammar
+from engines.grammar import GrammarError, cut_to_vocab, json_schema_grammar
 from tests.engines.helpers import PROMPTS, make_engine, run_batch
 
 SCHEMA = {
@@ -119,6 +119,41 @@ def test_masks_filled_for_a_batch_are_each_grammar_s_own(tiny_dirs, vocab):
     assert bits[0, brace] and not bits[0, x] and bits[0].sum() == 1
     assert bits[2].sum() > 1 and not bits[:, tok.grammar_vocabulary().vocab_size:].any()
     assert bits[3].nonzero()[0].tolist() == [end]  # "xyz" broke the matcher
+
+
+def test_masks_taken_with_a_token_in_flight_and_computed_on_the_worker(tiny_dirs):
+    """take() takes in a row's history and then its token in flight (one the history does not
+    hold yet); compute() on the GilFree worker writes the masks into llguidance's layout, each
+    as the state alone gives it; the next step's history holds that token, which is not taken
+    in twice. A failing job raises where it is waited for."""
+    from engines.grammar import GilFree, GrammarState, MaskFiller, mask_words
+
+    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
+    grammar, end = json_schema_grammar(SCHEMA), min(tok.eos_token_ids)
+    vocabulary = tok.grammar_vocabulary()
+
+    def state():
+        return GrammarState(grammar, vocabulary, frozenset({end}))
+
+    text = tok.encode('{"ok": true, "kind": "')
+    filler, worker, kept = MaskFiller(), GilFree(), [state(), state()]
+    out = np.zeros((2, mask_words(vocabulary.vocab_size)), dtype=np.int32)
+    for cut in (3, 5):  # two steps: the second's history holds the first's token in flight
+        rows = [(kept[0], text[:cut - 1], text[cut - 1]), (kept[1], text[:cut], None)]
+        left = filler.take(rows, out)
+        assert [i for _, i in left] == [0, 1]
+        worker.start(lambda: filler.compute(left, out)).wait()
+        words = out.view(np.uint8)
+        for mine in words:
+            assert np.array_equal(cut_to_vocab(mine[None], vocabulary.vocab_size, 300)[0],
+                                  state().bitmask(text[:cut], 300))
+
+    def fails():
+        raise RuntimeError("no mask")
+
+    with pytest.raises(RuntimeError, match="no mask"):
+        worker.start(fails).wait()
+    worker.close()
 
 
 def test_prepared_states_mask_as_fresh_ones(tiny_dirs):

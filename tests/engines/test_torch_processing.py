@@ -65,7 +65,10 @@ def test_slots_grow_with_the_batch():
 
 
 class Mask:
-    """A grammar stand-in: allows the tokens it was made with, whatever came before."""
+    """A grammar stand-in: allows the tokens it was made with, whatever came before; its
+    tokenizer has 21 tokens."""
+
+    vocab_size = 21
 
     def __init__(self, allowed):
         self.allowed = allowed
@@ -77,16 +80,22 @@ class Masks:
     def __init__(self):
         self.asked = []
 
-    def bitmasks(self, rows, vocab):
-        self.asked.append([generated for _, generated in rows])
-        out = np.zeros((len(rows), -(-vocab // 8) * 8), dtype=bool)
-        for i, (mask, _) in enumerate(rows):
-            out[i, mask.allowed] = True
-        return np.packbits(out, axis=1, bitorder="little")
+    def take(self, rows, out):
+        self.asked.append([(list(generated), in_flight) for _, generated, in_flight in rows])
+        return [(mask, i) for i, (mask, _, _) in enumerate(rows)]
+
+    def compute(self, todo, out):
+        for mask, i in todo:
+            bits = np.zeros(out.shape[1] * 32, dtype=bool)
+            bits[mask.allowed] = True
+            out[i] = np.packbits(bits, bitorder="little").view(np.int32)
 
 
-@pytest.mark.parametrize("vocab", [16, 21])
-def test_grammar_masks_of_the_batch_go_over_in_one_and_mask_their_own_rows(vocab):
+@pytest.mark.parametrize("vocab", [16, 21, 40])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grammar_masks_of_the_batch_go_over_in_one_and_mask_their_own_rows(vocab, overlap):
+    """The masks in llguidance's layout (32 tokens a word) cut to the model's vocabulary, or
+    padded past the tokenizer's 21 tokens with refusals; computed at once or on the worker."""
     masks = Masks()
     proc = RowProcessor(vocab, "cpu", masks)
     params = SamplingParams(max_tokens=8)
@@ -94,11 +103,15 @@ def test_grammar_masks_of_the_batch_go_over_in_one_and_mask_their_own_rows(vocab
     rows = [row(0, params, [0], [3], Mask([1, 20 % vocab])), row(1, params, [0], []),
             row(2, params, [0], [4, 5], Mask([0, 9]))]
     rows[2].tokens = (PENDING,)  # its last token is in flight
-    x, _ = proc.apply(logits, rows, in_flight={2: 6}.__getitem__)
-    assert masks.asked == [[[3], [4, 5, 6]]]  # once for the batch; the token in flight joins
+    step = proc.begin(logits, rows, in_flight={2: 6}.__getitem__, overlap=overlap)
+    assert (step.masks is not None) == overlap
+    x, _ = proc.finish(step)
+    # Once for the batch; the token in flight joins.
+    assert masks.asked == [[([3], None), ([4, 5], 6)]]
     assert torch.isfinite(x[0]).nonzero().view(-1).tolist() == sorted({1, 20 % vocab})
     assert torch.equal(x[1], logits[1])
     assert torch.isfinite(x[2]).nonzero().view(-1).tolist() == [0, 9]
+    proc.close()
 
 
 def test_to_device_keeps_values_and_type_on_the_cpu():
