@@ -41,7 +41,9 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-@dataclass(frozen=True)
+# Made once per token per request on the HTTP side too (from the engine process's tuples): slots
+# without frozen, as Step. Treated as read-only.
+@dataclass(slots=True)
 class TokenLogprobs:
     """A token's log-probability under the model (log-softmax of its logits after the request's
     bias, penalties and grammar, before temperature, top-k/top-p or min_p) and the k most

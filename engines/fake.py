@@ -63,6 +63,11 @@ class ByteTokenizer:
     def token_bytes(ids: Sequence[int]) -> list[bytes]:
         return [bytes([i]) if i < 256 else b"" for i in ids]
 
+    @classmethod
+    def token_names(cls, ids: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+        return [(raw.decode("utf-8", errors="replace"), tuple(raw))
+                for raw in cls.token_bytes(ids)]
+
     def grammar_vocabulary(self):
         from .grammar import byte_vocabulary
 

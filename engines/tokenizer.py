@@ -60,9 +60,11 @@ class ChatTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
         self._byte_level: bool | None = None  # GPT-2's byte-to-character map; found on first use
-        # token id -> its bytes, filled as logprobs name tokens: a stream asks for six or more a
-        # token, and the HTTP side's time per token is what 64 streams of logprobs wait on.
+        # token id -> its bytes, and its name (token_names), filled as logprobs name tokens: a
+        # stream asks for six or more a token, and the HTTP side's time per token is what 64
+        # streams of logprobs wait on.
         self._bytes: dict[int, bytes] = {}
+        self._names: dict[int, tuple[str, tuple[int, ...]]] = {}
 
     def __getstate__(self) -> dict:
         # Sent to the HTTP side when the engine runs in its own process; a lock does not pickle,
@@ -158,6 +160,20 @@ class ChatTokenizer:
         except KeyError:
             pass
         out = self._spell(ids)
+        known.update(zip(ids, out))
+        return out
+
+    def token_names(self, ids: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+        """Each token as OpenAI's logprobs name it: its bytes decoded (U+FFFD where it holds
+        part of a character) and the bytes themselves; kept once made, for every request (a
+        request's alternatives are mostly tokens others named before)."""
+        known = self._names
+        try:
+            return [known[i] for i in ids]
+        except KeyError:
+            pass
+        out = [(raw.decode("utf-8", errors="replace"), tuple(raw))
+               for raw in self.token_bytes(ids)]
         known.update(zip(ids, out))
         return out
 

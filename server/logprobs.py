@@ -5,7 +5,7 @@ holds part of a character shows U+FFFD there; its `bytes` are exact)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engines.base import Step, TokenLogprobs
 
@@ -13,11 +13,8 @@ from engines.base import Step, TokenLogprobs
 @dataclass
 class LogprobsFormat:
     chat: bool
-    tokenizer: object  # has token_bytes(ids) -> list[bytes]
+    tokenizer: object  # has token_names(ids) -> [(text, bytes as ints)], kept for every request
     offset: int = 0  # the completion text's characters so far (text_offset)
-    # token -> (its text, its bytes) for the tokens this request has named so far: a stream's
-    # alternatives repeat, and at 64 streams the server names some 200,000 tokens a second.
-    _names: dict[int, tuple[str, list[int]]] = field(default_factory=dict, repr=False)
 
     def of(self, steps: Sequence[Step]) -> dict | None:
         """The logprobs object for these steps (those without log-probabilities skipped: the
@@ -35,47 +32,51 @@ class LogprobsFormat:
         gives it; the offsets run on into the completion's."""
         return self._legacy(ids, scores)
 
-    def _named(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
-        """token -> (its text, its bytes), for these tokens and their alternatives: those not
-        named before spelled by the tokenizer in one call."""
-        names = self._names
-        new = {t for t in ids if t not in names}
-        new.update(t for s in scores if s is not None for t, _ in s.top if t not in names)
-        if new:
-            new = list(new)
-            for token, raw in zip(new, self.tokenizer.token_bytes(new)):
-                names[token] = (_text(raw), list(raw))
-        return names
+    def _names(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> list:
+        """The names (text, bytes) of each token followed by its alternatives', in one call."""
+        flat = []
+        for token, scored in zip(ids, scores):
+            flat.append(token)
+            if scored is not None:
+                flat.extend(t for t, _ in scored.top)
+        return self.tokenizer.token_names(flat)
 
     def _legacy(self, ids: Sequence[int], scores: Sequence[TokenLogprobs | None]) -> dict:
         """Completions' parallel lists; top_logprobs holds the k likeliest and the chosen
         token, as OpenAI's legacy API gives them."""
-        names = self._named(ids, scores)
-        tokens, offsets = [], []
-        for token in ids:
-            text = names[token][0]
+        names = iter(self._names(ids, scores))
+        tokens, offsets, tops = [], [], []
+        for scored in scores:
+            text = next(names)[0]
             tokens.append(text)
             offsets.append(self.offset)
             self.offset += len(text)
+            if scored is None:
+                tops.append(None)
+                continue
+            top = {next(names)[0]: _finite(lp) for _, lp in scored.top}
+            top[text] = _finite(scored.logprob)
+            tops.append(top)
         return {
             "tokens": tokens,
             "token_logprobs": [None if s is None else _finite(s.logprob) for s in scores],
-            "top_logprobs": [None if s is None else
-                             {**{names[t][0]: _finite(lp) for t, lp in s.top},
-                              tokens[i]: _finite(s.logprob)}
-                             for i, s in enumerate(scores)],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
     def _chat_entries(self, ids: list[int], scores: list[TokenLogprobs]) -> list[dict]:
-        names = self._named(ids, scores)
+        names = iter(self._names(ids, scores))
         out = []
-        for token, scored in zip(ids, scores):
-            text, raw = names[token]
-            out.append({"token": text, "logprob": _finite(scored.logprob), "bytes": raw,
-                        "top_logprobs": [
-                            {"token": names[t][0], "logprob": _finite(lp), "bytes": names[t][1]}
-                            for t, lp in scored.top]})
+        for scored in scores:
+            text, raw = next(names)
+            top = []
+            for _, lp in scored.top:
+                name = next(names)
+                top.append({"token": name[0], "logprob": lp if lp > FLOOR else FLOOR,
+                            "bytes": name[1]})
+            lp = scored.logprob
+            out.append({"token": text, "logprob": lp if lp > FLOOR else FLOOR, "bytes": raw,
+                        "top_logprobs": top})
         return out
 
 
@@ -87,10 +88,6 @@ FLOOR = -9999.0
 
 def _finite(logprob: float) -> float:
     return max(FLOOR, logprob)
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace")
 
 
 def joined(first: dict | None, then: dict | None) -> dict | None:

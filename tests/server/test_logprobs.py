@@ -125,8 +125,8 @@ def test_a_token_that_cannot_come_is_given_minus_9999_not_infinity():
     from server.streaming import to_json
 
     class Bytes:
-        def token_bytes(self, ids):
-            return [bytes([65 + i % 26]) for i in ids]
+        def token_names(self, ids):
+            return [(chr(65 + i % 26), (65 + i % 26,)) for i in ids]
 
     step = Step(1, "B", logprobs=TokenLogprobs(float("-inf"), ((1, -0.5), (2, float("-inf")))))
     chat = json.loads(to_json(LogprobsFormat(True, Bytes()).of([step])))
