@@ -29,7 +29,23 @@ class Processing:
     x: torch.Tensor
     counted: tuple[torch.Tensor, torch.Tensor] | None
     masked: list[int] = field(default_factory=list)
+    masked_index: torch.Tensor | None = None  # masked on the device, when not every row
     masks: Job | None = None
+
+
+@dataclass
+class BatchInputs:
+    """A batch's processing inputs on the device (RowProcessor._inputs), for its rows (key:
+    their sequence ids in order): the penalised rows (row index, slot) and their settings, the
+    bias as (flat index, value), the grammar rows."""
+
+    key: tuple[int, ...]
+    masked: list[int]
+    masked_index: torch.Tensor | None = None
+    counted: tuple[torch.Tensor, torch.Tensor] | None = None
+    repetition: torch.Tensor | None = None
+    coefficients: torch.Tensor | None = None
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class RowProcessor:
@@ -44,9 +60,12 @@ class RowProcessor:
         self._counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)  # completion
         self._in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self._worker = GilFree()  # where begin(overlap=True) computes the masks
+        self._kept: BatchInputs | None = None  # the last batch's inputs
         self._bits: torch.Tensor | None = None  # 1 << i for i < 32: a mask word's bits
 
     def release(self, seq_ids: Sequence[int]) -> None:
+        if seq_ids:
+            self._kept = None  # a slot it named may be another sequence's from now on
         for seq_id in seq_ids:
             slot = self._slots.pop(seq_id, None)
             if slot is not None:
@@ -65,26 +84,16 @@ class RowProcessor:
         """apply() up to the grammar masks: penalties and bias queued on the device, the
         grammar rows' tokens taken in; with overlap, their masks then computed on the worker
         while the caller goes on (finish() waits for them), else at once."""
-        todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
-        if not todo:
+        if all(r.sampling.processing is None for r in rows):
             return Processing(logits, None)
         x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' type
-        vocab = x.shape[-1]
-        penalised = [i for i in todo if rows[i].sampling.processing.penalised]
-        counted = None
-        if penalised:
-            slots = [self._slot(rows[i]) for i in penalised]
-            counted = (to_device(penalised, torch.long, self.device),
-                       to_device(slots, torch.long, self.device))
-            self._penalise(x, rows, penalised, *counted)
-        biased = [(i * vocab + token, bias) for i in todo
-                  for token, bias in rows[i].sampling.processing.logit_bias if token < vocab]
-        if biased:
-            where, values = zip(*biased)
-            x.view(-1).index_add_(0, to_device(where, torch.long, self.device),
-                                  to_device(values, torch.float32, self.device))
-        masked = [i for i in todo if rows[i].sampling.processing.grammar is not None]
-        step = Processing(x, counted, masked)
+        kept = self._inputs(rows, x.shape[-1])
+        if kept.counted is not None:
+            self._penalise(x, kept)
+        if kept.bias is not None:
+            x.view(-1).index_add_(0, *kept.bias)
+        masked = kept.masked
+        step = Processing(x, kept.counted, masked, kept.masked_index)
         if masked:
             # Written by llguidance straight into the pinned buffer that goes to the device.
             tokens = rows[masked[0]].sampling.processing.grammar.vocab_size
@@ -117,10 +126,10 @@ class RowProcessor:
         if refused.shape[1] < vocab:  # an embedding padded past the tokenizer
             refused = torch.cat([refused, refused.new_ones(len(masked),
                                                            vocab - refused.shape[1])], dim=1)
-        if len(masked) == x.shape[0]:  # every row: no gather and scatter
+        if step.masked_index is None:  # every row: no gather and scatter
             x.masked_fill_(refused, float("-inf"))
         else:
-            index = to_device(masked, torch.long, self.device)
+            index = step.masked_index
             x[index] = x[index].masked_fill(refused, float("-inf"))
         return x, step.counted
 
@@ -137,23 +146,52 @@ class RowProcessor:
         where = slots * self.vocab + tokens.index_select(0, index)
         self._counts.view(-1).index_add_(0, where, torch.ones_like(where, dtype=torch.int32))
 
-    def _penalise(self, x: torch.Tensor, rows, penalised: list[int], index: torch.Tensor,
-                  slots: torch.Tensor) -> None:
+    def _penalise(self, x: torch.Tensor, kept: BatchInputs) -> None:
         """The repetition penalty on the raw logits, then the presence and frequency
         penalties subtracted (engines/processing.py's order)."""
-        settings = [rows[i].sampling.processing for i in penalised]
+        index, slots = kept.counted
         counts = self._counts.index_select(0, slots)
         part = x.index_select(0, index)
-        if any(s.repetition_penalty != 1.0 for s in settings):
-            penalty = to_device([[s.repetition_penalty] for s in settings], torch.float32,
-                                self.device)
+        if kept.repetition is not None:
             seen = (counts > 0) | self._in_prompt.index_select(0, slots)
-            part = torch.where(seen, torch.where(part > 0, part / penalty, part * penalty), part)
-        coefficients = to_device([[s.presence_penalty, s.frequency_penalty] for s in settings],
-                                 torch.float32, self.device)
+            part = torch.where(seen, torch.where(part > 0, part / kept.repetition,
+                                                 part * kept.repetition), part)
+        coefficients = kept.coefficients
         part = (part - coefficients[:, :1] * (counts > 0)
                 - coefficients[:, 1:] * counts.float())
         x.index_copy_(0, index, part)
+
+    def _inputs(self, rows: Sequence[ScheduledSeq], vocab: int) -> BatchInputs:
+        """The batch's processing inputs on the device: made when its rows change, and kept
+        while the same rows decode (building them from the rows' settings took 0.3-0.5 ms a
+        step for 64 rows with logit_bias or penalties, on an H200's host)."""
+        key = tuple(r.seq_id for r in rows)
+        if self._kept is not None and self._kept.key == key:
+            return self._kept
+        todo = [i for i, r in enumerate(rows) if r.sampling.processing is not None]
+        kept = BatchInputs(key, [i for i in todo
+                                 if rows[i].sampling.processing.grammar is not None])
+        penalised = [i for i in todo if rows[i].sampling.processing.penalised]
+        if penalised:
+            slots = [self._slot(rows[i]) for i in penalised]
+            kept.counted = (to_device(penalised, torch.long, self.device),
+                            to_device(slots, torch.long, self.device))
+            settings = [rows[i].sampling.processing for i in penalised]
+            if any(s.repetition_penalty != 1.0 for s in settings):
+                kept.repetition = to_device([[s.repetition_penalty] for s in settings],
+                                            torch.float32, self.device)
+            kept.coefficients = to_device([[s.presence_penalty, s.frequency_penalty]
+                                           for s in settings], torch.float32, self.device)
+        biased = [(i * vocab + token, bias) for i in todo
+                  for token, bias in rows[i].sampling.processing.logit_bias if token < vocab]
+        if biased:
+            where, values = zip(*biased)
+            kept.bias = (to_device(where, torch.long, self.device),
+                         to_device(values, torch.float32, self.device))
+        if kept.masked and len(kept.masked) < len(rows):
+            kept.masked_index = to_device(kept.masked, torch.long, self.device)
+        self._kept = kept
+        return kept
 
     def _slot(self, row: ScheduledSeq) -> int:
         """The sequence's slot, made from its history the first time it is seen."""

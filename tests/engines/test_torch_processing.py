@@ -55,6 +55,35 @@ def test_a_released_sequence_s_slot_starts_afresh_for_the_next():
     assert x[0, 4] == -1.0 and x[0, 6] == 0.0
 
 
+def test_a_batch_s_inputs_are_kept_while_its_rows_stay_and_made_anew_when_they_change():
+    """The same rows a step later reuse the inputs made for them (no host work); rows in
+    another order, a row gone or a sequence released get new ones, each row still processed
+    by its own settings."""
+    biased = SamplingParams(max_tokens=8, logit_bias=((3, 5.0),))
+    other = SamplingParams(max_tokens=8, logit_bias=((9, -2.0),), presence_penalty=1.0)
+    proc = RowProcessor(VOCAB, "cpu")
+    logits = torch.zeros(2, VOCAB)
+
+    settings = {1: biased, 2: other}
+
+    def check(rows):
+        x, _ = proc.apply(logits[: len(rows)], rows)
+        for i, r in enumerate(rows):
+            want = processing_rule(logits[i].clone(), settings[r.seq_id], [1], [2])
+            assert torch.allclose(x[i], want)
+        return proc._kept
+
+    pair = [row(1, biased, [1], [2]), row(2, other, [1], [2])]
+    first = check(pair)
+    assert check([row(1, biased, [1], [2]), row(2, other, [1], [2])]) is first
+    swapped = check(pair[::-1])
+    assert swapped is not first
+    assert check(pair[1:]) is not swapped
+    kept = proc._kept
+    proc.release([1])
+    assert check(pair[1:]) is not kept
+
+
 def test_slots_grow_with_the_batch():
     params = SamplingParams(max_tokens=8, presence_penalty=1.0)
     proc = RowProcessor(VOCAB, "cpu")
