@@ -272,7 +272,7 @@ class GilFree:
             job.started.set()
             try:
                 job.fn()
-            except BaseException as exc:  # raised where the caller waits
+            except Exception as exc:  # raised where the caller waits
                 job.error = exc
             job.done.set()
 

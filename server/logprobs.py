@@ -67,6 +67,7 @@ class LogprobsFormat:
     def _chat_entries(self, ids: list[int], scores: list[TokenLogprobs]) -> list[dict]:
         names = iter(self._names(ids, scores))
         out = []
+        # The floor inline, not _finite(): six calls a token at 25,000 tokens a second.
         for scored in scores:
             text, raw = next(names)
             top = []

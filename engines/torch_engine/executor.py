@@ -15,7 +15,7 @@ import torch
 
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
-from .processing import Processing, RowProcessor
+from .processing import RowProcessor, StepProcessing
 from .sampling import Sampler, ScoredRows, sample_rows, score_tokens, token_logprobs
 from .transfer import ReadBack
 
@@ -40,7 +40,7 @@ class Launched:
 
     due: Sequence[ScheduledSeq]
     prompt_scores: dict
-    processing: Processing | None = None
+    processing: StepProcessing | None = None
     pending: list[int] | tuple[torch.Tensor, torch.cuda.Event] | None = None
     scored: ScoredRows | None = None
 

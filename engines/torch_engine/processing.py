@@ -21,7 +21,7 @@ from .transfer import Staging, to_device
 
 
 @dataclass
-class Processing:
+class StepProcessing:
     """A step's processing under way (RowProcessor.begin): the processed logits, the
     penalised rows for count(), the grammar rows and, computing their masks, the worker's
     job."""
@@ -85,7 +85,7 @@ class RowProcessor:
         grammar rows' tokens taken in; with overlap, their masks then computed on the worker
         while the caller goes on (finish() waits for them), else at once."""
         if all(r.sampling.processing is None for r in rows):
-            return Processing(logits, None)
+            return StepProcessing(logits, None)
         x = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' type
         kept = self._inputs(rows, x.shape[-1])
         if kept.counted is not None:
@@ -93,7 +93,7 @@ class RowProcessor:
         if kept.bias is not None:
             x.view(-1).index_add_(0, *kept.bias)
         masked = kept.masked
-        step = Processing(x, kept.counted, masked, kept.masked_index)
+        step = StepProcessing(x, kept.counted, masked, kept.masked_index)
         if masked:
             # Written by llguidance straight into the pinned buffer that goes to the device.
             tokens = rows[masked[0]].sampling.processing.grammar.vocab_size
@@ -108,7 +108,7 @@ class RowProcessor:
                 self._masks.compute(left, words)
         return step
 
-    def finish(self, step: Processing):
+    def finish(self, step: StepProcessing):
         """begin()'s logits with the grammar masks applied, and the penalised rows for
         count()."""
         if not step.masked:

@@ -142,7 +142,7 @@ def test_masks_taken_with_a_token_in_flight_and_computed_on_the_worker(tiny_dirs
         rows = [(kept[0], text[:cut - 1], text[cut - 1]), (kept[1], text[:cut], None)]
         left = filler.take(rows, out)
         assert [i for _, i in left] == [0, 1]
-        worker.start(lambda: filler.compute(left, out)).wait()
+        worker.start(lambda left=left: filler.compute(left, out)).wait()
         words = out.view(np.uint8)
         for mine in words:
             assert np.array_equal(cut_to_vocab(mine[None], vocabulary.vocab_size, 300)[0],
