@@ -156,6 +156,35 @@ def test_masks_taken_with_a_token_in_flight_and_computed_on_the_worker(tiny_dirs
     worker.close()
 
 
+def test_the_mask_worker_runs_each_job_once_started_and_starts_again_after_close():
+    """GilFree.start() returns once its worker holds the job; wait() gives its end. A closed
+    worker's thread ends, and the next start() makes a new one (an executor closed and used
+    again)."""
+    import threading
+
+    from engines.grammar import GilFree
+
+    worker, ran, inside, release = GilFree(), [], threading.Event(), threading.Event()
+
+    def job():
+        ran.append(threading.current_thread().name)
+        inside.set()
+        release.wait(5)
+
+    started = worker.start(job)
+    assert inside.wait(5) and ran == ["grammar-masks"]
+    assert not started.done.is_set()  # under way on the worker, not finished
+    release.set()
+    started.wait()
+    first = worker._thread
+    worker.close()
+    first.join(5)
+    assert not first.is_alive()
+    worker.start(lambda: ran.append("again")).wait()
+    assert ran[-1] == "again" and worker._thread is not first
+    worker.close()
+
+
 def test_prepared_states_mask_as_fresh_ones(tiny_dirs):
     """A state made with its first mask ready (the runtime makes it beside the steps) gives
     the masks a fresh one gives, alone and in a MaskFiller batch, before and after a token."""
