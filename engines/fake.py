@@ -60,13 +60,9 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     @staticmethod
-    def token_bytes(ids: Sequence[int]) -> list[bytes]:
-        return [bytes([i]) if i < 256 else b"" for i in ids]
-
-    @classmethod
-    def token_names(cls, ids: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
-        return [(raw.decode("utf-8", errors="replace"), tuple(raw))
-                for raw in cls.token_bytes(ids)]
+    def token_names(ids: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+        spelled = (bytes([i]) if i < 256 else b"" for i in ids)
+        return [(raw.decode("utf-8", errors="replace"), tuple(raw)) for raw in spelled]
 
     def grammar_vocabulary(self):
         from .grammar import byte_vocabulary

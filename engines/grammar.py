@@ -127,7 +127,7 @@ class GrammarState:
         is allowed. A matcher gone wrong (it should not: every token came through its mask)
         allows only the end, so the request ends there and the batch goes on."""
         if not self.advance(generated):
-            return self.end_only(vocab)
+            return self.packed(self.end_only().view(np.uint8), vocab)
         first = self.first_mask()
         return self.packed(first if first is not None else self._raw(), vocab)
 
@@ -153,17 +153,12 @@ class GrammarState:
             return False
         return True
 
-    def end_only_words(self, words: int) -> np.ndarray:
-        """end_only() in llguidance's layout: int32 [words], token t at bit t % 32 of word
-        t // 32."""
-        mask = np.zeros(words * 32, dtype=bool)
-        mask[[t for t in self._eos if t < min(self.vocab_size, words * 32)]] = True
+    def end_only(self) -> np.ndarray:
+        """The mask that allows only the end, in llguidance's layout: int32
+        [mask_words(vocab_size)], token t at bit t % 32 of word t // 32."""
+        mask = np.zeros(mask_words(self.vocab_size) * 32, dtype=bool)
+        mask[[t for t in self._eos if t < self.vocab_size]] = True
         return np.packbits(mask, bitorder="little").view(np.int32)
-
-    def end_only(self, vocab: int) -> np.ndarray:
-        mask = np.zeros(-(-vocab // 8) * 8, dtype=bool)
-        mask[[t for t in self._eos if t < vocab]] = True
-        return np.packbits(mask, bitorder="little")
 
     def packed(self, bits: np.ndarray, vocab: int) -> np.ndarray:
         """llguidance's mask bytes for this matcher, cut or padded to vocab (cut_to_vocab)."""
@@ -217,7 +212,7 @@ class MaskFiller:
             if mask_words(state.vocab_size) != words:
                 raise ValueError("a batch's grammars must share one tokenizer")
             if not state.advance(generated, in_flight):
-                out[i] = state.end_only_words(words)
+                out[i] = state.end_only()
             elif (first := state.first_mask()) is not None:
                 out[i] = first.view(np.int32)[:words]
             else:

@@ -60,10 +60,9 @@ class ChatTokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
         self._byte_level: bool | None = None  # GPT-2's byte-to-character map; found on first use
-        # token id -> its bytes, and its name (token_names), filled as logprobs name tokens: a
-        # stream asks for six or more a token, and the HTTP side's time per token is what 64
-        # streams of logprobs wait on.
-        self._bytes: dict[int, bytes] = {}
+        # token id -> its name (token_names), filled as logprobs name tokens: a stream asks for
+        # six or more a token, and the HTTP side's time per token is what 64 streams of logprobs
+        # wait on.
         self._names: dict[int, tuple[str, tuple[int, ...]]] = {}
 
     def __getstate__(self) -> dict:
@@ -151,29 +150,17 @@ class ChatTokenizer:
         with self._lock:
             return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        """Each token's own bytes (what OpenAI's logprobs report): a token may hold part of a
-        character, which decoding it alone would turn into U+FFFD."""
-        known = self._bytes
-        try:
-            return [known[i] for i in ids]
-        except KeyError:
-            pass
-        out = self._spell(ids)
-        known.update(zip(ids, out))
-        return out
-
     def token_names(self, ids: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
-        """Each token as OpenAI's logprobs name it: its bytes decoded (U+FFFD where it holds
-        part of a character) and the bytes themselves; kept once made, for every request (a
-        request's alternatives are mostly tokens others named before)."""
+        """Each token as OpenAI's logprobs name it: its own bytes decoded (a token may hold
+        part of a character: U+FFFD there) and the bytes themselves; kept once made, for every
+        request (a request's alternatives are mostly tokens others named before)."""
         known = self._names
         try:
             return [known[i] for i in ids]
         except KeyError:
             pass
         out = [(raw.decode("utf-8", errors="replace"), tuple(raw))
-               for raw in self.token_bytes(ids)]
+               for raw in self._spell(ids)]
         known.update(zip(ids, out))
         return out
 

@@ -43,7 +43,7 @@ class TokenizerService:
             raise bad_request(str(exc), param="messages") from exc
         strs = None
         if req.return_token_strs:
-            strs = [b.decode("utf-8", errors="replace") for b in tokenizer.token_bytes(ids)]
+            strs = [text for text, _ in tokenizer.token_names(ids)]
         return {"count": len(ids), "max_model_len": engine.info.context_length, "tokens": ids,
                 "token_strs": strs}
 
