@@ -102,6 +102,8 @@ def main() -> int:
     parser.add_argument("--model-dir", default=None, help="this model directory, not --model")
     parser.add_argument("--feature", default="none",
                         help="none or bench_features.py's features, comma-separated")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="split the model over this many GPUs (kernels: rank 0's)")
     parser.add_argument("--no-kernels", action="store_true", help="skip torch.profiler")
     parser.add_argument("--mask-threads", type=int, default=None,
                         help="llguidance's threads for the grammar masks (its default: 80%% "
@@ -113,7 +115,8 @@ def main() -> int:
             else write_dummy_model(args.model, Path(args.cache) / args.model))
     started = time.perf_counter()
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
-                         compile=args.compile, max_batch=max(batches))
+                         compile=args.compile, max_batch=max(batches),
+                         tensor_parallel=args.tensor_parallel)
     print(f"load {time.perf_counter() - started:.1f} s", flush=True)
     for feature in args.feature.split(","):
         params = feature_params(feature, args.context - args.prompt_tokens - 1)

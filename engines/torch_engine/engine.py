@@ -31,7 +31,7 @@ from .executor import TorchExecutor
 from .loader import load_model, read_config
 from .paged import PagedKV
 from .ranks import REPORT_S, PoolShape
-from .tensor_parallel import Shard, check_splits
+from .tensor_parallel import Shard, check_splits, use_peer_sums
 
 log = logging.getLogger("duet.engines.torch")
 
@@ -96,6 +96,7 @@ class TorchEngine(GenerationEngine):
                     context_length, self.device, free_memory_bytes(self.device)),
             RuntimeOptions(kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
                            prefix_cache))
+        use_peer_sums(self.model, self.device, shape.max_batch)
         self.decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch)
         self.meter = self._own_meter = memory_meter(self.device)  # own: this rank's
         world = 1

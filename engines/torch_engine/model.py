@@ -21,6 +21,7 @@ from torch import nn
 
 from ..base import UnsupportedModel
 from .config import ModelArgs
+from .tensor_parallel import Sums
 
 
 class KVCache(nn.Module):
@@ -62,14 +63,10 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     raise UnsupportedModel(f"rope scaling '{kind}' is not supported (default, linear, llama3)")
 
 
-def summed(x: torch.Tensor, group) -> torch.Tensor:
-    """x added up over a tensor-parallel group's ranks (x itself without one). A functional
-    collective: torch.compile traces it into the step, and a CUDA graph captures it."""
-    if group is None:
-        return x
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.all_reduce(x, "sum", group)
+def summed(x: torch.Tensor, sums: Sums | None, phase: int) -> torch.Tensor:
+    """x added up over a tensor-parallel group's ranks (x itself without one); phase: 0 for
+    a layer's attention, 1 for its MLP (tensor_parallel.Sums)."""
+    return x if sums is None else sums(x, phase)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -102,8 +99,8 @@ class Attention(nn.Module):
         # decode_attention.py instead of the PyTorch-op attention below.
         self.decode_kernel = False
         # Under tensor parallelism (tensor_parallel.py) this rank holds some of the heads: its
-        # output projection's partial sums are added up over the ranks' group.
-        self.group = None
+        # output projection's partial sums are added up over the ranks.
+        self.sums: Sums | None = None
 
     def forward(self, x, cos, sin, pos, mask, pool=None):
         b, t, _ = x.shape
@@ -123,7 +120,7 @@ class Attention(nn.Module):
                     q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                     enable_gqa=self.n_kv != self.n_heads,
                 )
-        return summed(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), self.group)
+        return summed(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), self.sums, 0)
 
     def _paged_attention(self, q, k, v, batch, pool):
         """Write the rows' K/V into the pool, then attend over each row's keys: through the
@@ -163,14 +160,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(d, 2 * self.hidden, bias=bias)
         self.down_proj = nn.Linear(self.hidden, d, bias=bias)
         self.act_kernel = False  # set by the CUDA runner: silu_mul.py's Triton kernel
-        self.group = None  # as Attention's: this rank's share of the hidden units, summed
+        self.sums: Sums | None = None  # as Attention's: this rank's share of the hidden units
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.act_kernel:
-            return summed(self.down_proj(torch.ops.duet.silu_mul(gate_up)), self.group)
+            return summed(self.down_proj(torch.ops.duet.silu_mul(gate_up)), self.sums, 1)
         gate, up = gate_up.split(self.hidden, dim=-1)
-        return summed(self.down_proj(F.silu(gate) * up), self.group)
+        return summed(self.down_proj(F.silu(gate) * up), self.sums, 1)
 
 
 class Block(nn.Module):
@@ -209,6 +206,7 @@ class Transformer(nn.Module):
         # forward outside the runtime's steps (scoring, whole-prompt logits), which they run
         # with it (ranks.py). Steps are told by the executor.
         self.mirror = None
+        self.sums: Sums | None = None  # every layer's, under tensor parallelism
 
     def scratch_cache(self, max_len: int):
         """A contiguous batch-1 cache for max_len positions, for work outside the runtime's

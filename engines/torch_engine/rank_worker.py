@@ -25,7 +25,7 @@ from .executor import prefill_attention
 from .loader import load_model
 from .paged import PagedKV, build_batch
 from .ranks import REPORT_S, PoolShape, RankSpec, join_group, rank_device, unslim
-from .tensor_parallel import Shard
+from .tensor_parallel import Shard, use_peer_sums
 
 log = logging.getLogger("duet.engines.torch")
 
@@ -53,6 +53,7 @@ class Rank:
         self.model.setup_rope(shape.context_length)
         self.kv = PagedKV.for_model(self.model, shape.num_blocks, shape.block_size,
                                     torch_dtype(self.spec.dtype), self.device)
+        use_peer_sums(self.model, self.device, shape.max_batch)
         self.decoder = make_decoder(self.model, self.kv, self.device, self.spec.compile,
                                     shape.max_batch, head=False)
 

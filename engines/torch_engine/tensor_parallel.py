@@ -4,7 +4,7 @@ manner of Megatron-LM and gpt-fast.
 Each rank holds a contiguous share of the query heads with their KV heads (Q/K/V projected
 column-wise, the output projection row-wise) and of the MLP's hidden units (gate/up
 column-wise, down row-wise); each block's two row-wise products are summed over the ranks
-(model.summed), so every rank ends each layer with the whole hidden state. Embeddings, norms and
+(Sums), so every rank ends each layer with the whole hidden state. Embeddings, norms and
 the vocabulary projection are whole on every rank: every rank computes the same logits, and only
 rank 0 samples. A rank's KV pool holds its own KV heads only.
 
@@ -13,6 +13,7 @@ whole file."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,10 @@ import torch
 from torch import nn
 
 from ..base import UnsupportedModel
+from . import peer_sum
 from .config import ModelArgs
+
+log = logging.getLogger("duet.engines.torch")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,37 @@ class Shard:
     def part(self, n: int) -> slice:
         size = n // self.world
         return slice(self.rank * size, (self.rank + 1) * size)
+
+
+@dataclass
+class Sums:
+    """How one rank's partial hidden states are added up over the ranks: by peer sums
+    (peer_sum.py) where they are set and the sum fits, else by the group's all-reduce (NCCL on
+    CUDA, gloo on the CPU; a functional collective, which torch.compile traces and a CUDA
+    graph captures). One per model, shared by its layers."""
+
+    group: object  # the ranks' torch.distributed process group
+    peer: peer_sum.PeerSum | None = None
+
+    def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer(x, phase)
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", self.group)
+
+
+def use_peer_sums(model, device: str, rows: int) -> None:
+    """Collective, at the same point on every rank: a tensor-parallel model's sums of up to
+    `rows` rows (a decode step's) through peer sums where every rank can make them."""
+    if model.sums is None:
+        return
+    dtype = model.model.embed_tokens.weight.dtype
+    model.sums.peer = peer_sum.create(model.sums.group, device, rows * model.args.hidden_size,
+                                      dtype)
+    log.info("tensor parallelism: sums %s", f"of up to {rows} rows through peer sums, "
+             "larger through the group's all-reduce" if model.sums.peer else
+             "through the group's all-reduce")
 
 
 def check_splits(args: ModelArgs, world: int) -> None:
@@ -46,6 +81,7 @@ def split_modules(model, shard: Shard, group) -> None:
     """Shrink a model made on the meta device to one rank's share (weights not yet loaded);
     group: the ranks' process group its blocks sum over."""
     args = model.args
+    model.sums = sums = Sums(group)
     check_splits(args, shard.world)
     d, w = args.hidden_size, shard.world
     for layer in model.model.layers:
@@ -56,11 +92,11 @@ def split_modules(model, shard: Shard, group) -> None:
         attn.qkv_proj = nn.Linear(d, attn.q_size + 2 * attn.kv_size, bias=args.qkv_bias,
                                   device="meta")
         attn.o_proj = nn.Linear(attn.q_size, d, bias=args.o_bias, device="meta")
-        attn.group = group
+        attn.sums = sums
         mlp.hidden //= w
         mlp.gate_up_proj = nn.Linear(d, 2 * mlp.hidden, bias=args.mlp_bias, device="meta")
         mlp.down_proj = nn.Linear(mlp.hidden, d, bias=args.mlp_bias, device="meta")
-        mlp.group = group
+        mlp.sums = sums
 
 
 # Hugging Face names (after "model.layers.N.") split by rows (outputs) or columns (inputs), and

@@ -1,6 +1,6 @@
 """Run by test_cuda_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter
-runs the CUDA path's kernels (paged decode attention, SiLU * up, the nucleus border) on the
-CPU (the flag must be set before a kernel is defined, so it cannot share the test process); on
+runs the CUDA path's kernels (paged decode attention, SiLU * up, the nucleus border, the
+tensor-parallel peer sum) on the CPU (the flag must be set before a kernel is defined, so it cannot share the test process); on
 a GPU the same checks run compiled. Exits non-zero on a mismatch."""
 
 from __future__ import annotations
@@ -174,11 +174,48 @@ def check_model(window: int | None, device: str = "cpu") -> None:
     assert traces[0] == traces[1], traces
 
 
+def check_peer_sum(device: str = "cpu") -> None:
+    """Two ranks' peer sums in one process, one after the other: rank 1 finds rank 0's part
+    already in its buffer (put there as rank 0's kernel would), rank 0 then finds rank 1's,
+    sent by rank 1's kernel. Both get the same bits, the rank-order float32 sum; a rank's own
+    buffer is empty again after its sum; the other phase is left alone; a negative zero goes
+    as a zero (sent as is, it would read as not yet arrived)."""
+    from engines.torch_engine import peer_sum as ps
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for n, phase in ((7, 0), (3 * ps.BLOCK + 5, 1), (ps.MAX_PROGRAMS * ps.BLOCK + 100, 0)):
+            capacity = n + 3
+            bufs = [torch.full((ps.buffer_elements(2, capacity),), ps.EMPTY, dtype=torch.int16,
+                               device=device) for _ in range(2)]
+            ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+            x = [torch.randn(n, dtype=dtype, device=device) for _ in range(2)]
+            x[0][:3] = -0.0
+            sent0 = torch.where(x[0] == 0, 0.0, x[0]).to(dtype).view(torch.int16)
+            base = phase * 2 * capacity
+            bufs[1][base:base + n] = sent0  # rank 0's part, as its kernel writes it
+            got1 = torch.ops.duet.peer_sum(x[1], ptrs, 1, capacity, phase)
+            got0 = torch.ops.duet.peer_sum(x[0], ptrs, 0, capacity, phase)
+            want = (x[0].float() + x[1].float()).to(dtype)
+            assert torch.equal(got0.view(torch.int16), got1.view(torch.int16)), (dtype, n)
+            # Within one rounding: the interpreter rounds float32 to 16 bits toward zero.
+            torch.testing.assert_close(got0, want, atol=0,
+                                       rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+            assert (bufs[0] == ps.EMPTY).all(), "rank 0's buffer is not empty after its sum"
+            # Rank 1's buffer: empty but for rank 0's second send of its part (a real rank 0
+            # sends once; here the first was put by hand).
+            rest = bufs[1].clone()
+            assert torch.equal(rest[base:base + n], sent0)
+            rest[base:base + n] = ps.EMPTY
+            assert (rest == ps.EMPTY).all(), "rank 1's buffer is not empty after its sum"
+
+
 if __name__ == "__main__":
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     check_op(device=device)
     check_silu_mul(device=device)
     check_borders(device=device)
+    if device == "cpu":  # on a GPU, scripts/bench_all_reduce.py checks it over two
+        check_peer_sum(device)
     check_model(window=None, device=device)
     check_model(window=8, device=device)
     print("kernels: ok")

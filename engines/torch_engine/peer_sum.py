@@ -1,0 +1,175 @@
+"""A tensor-parallel decode step's sums over the GPUs of one host, in one kernel each.
+
+Why: a decode step of a model split over ranks sums two partial hidden states a layer (64 sums
+for the 8B shape), each a few kilobytes. NCCL's all-reduce of 8 KB costs 11 us inside a CUDA
+graph on two H100s and PyTorch's symmetric-memory one-shot 9 us (scripts/bench_all_reduce.py):
+close to a millisecond a step, a quarter of what the split step's matrix products take.
+
+How (Lamport's scheme, as TensorRT-LLM's one-shot all-reduce uses it): every rank holds a
+receive buffer with one slot per rank, which every other rank can write over NVLink (PyTorch's
+symmetric memory maps them). A rank writes its partial into its slot of every rank's buffer,
+then reads its own buffer until every element has arrived, adds the slots up in rank order
+(so every rank gets the same bits) and sets them back to "empty". "Empty" is negative zero,
+which no rank ever sends (a negative zero is sent as a zero): each element shows its own
+arrival, so there is no barrier, no flag and no fence, only the write's latency.
+
+A buffer can be written again only once its owner has read it: each rank has two, and
+consecutive sums alternate between them (a layer's attention sums through phase 0, its MLP
+through phase 1, so every forward does). A rank cannot run two sums ahead of another, since
+each sum waits for every rank's part; so the buffer a sum writes was read and emptied by its
+owner one sum before, in a kernel that ended before the owner sent that sum's part.
+
+Only 16-bit floats (negative zero is 0x8000 in both) and sums of up to `capacity` elements go
+this way; the rest, and the CPU, go through the process group's all-reduce (model.summed)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .decode_attention import triton
+
+log = logging.getLogger("duet.engines.torch")
+
+EMPTY = -32768  # 0x8000 as int16: negative zero in bfloat16 and float16
+PHASES = 2
+BLOCK = 1024
+MAX_PROGRAMS = 128  # every program resident at once: one waits only for its peers' namesakes
+
+if triton is not None:
+    import triton.language as tl
+
+    _EMPTY = tl.constexpr(EMPTY)
+
+    @triton.jit
+    def _peer_sum_kernel(X, Out, Ptrs, rank, n, slot_stride, phase_offset,
+                         WORLD: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        chunks = tl.cdiv(n, BLOCK)
+        # Send: this rank's part into its slot of every rank's buffer.
+        for chunk in range(pid, chunks, programs):
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            bits = tl.load(X + offs, mask=ok, other=0)
+            bits = tl.where(bits == _EMPTY, 0, bits)  # a negative zero goes as a zero
+            for r in tl.static_range(WORLD):
+                dst = tl.load(Ptrs + r).to(tl.pointer_type(tl.int16))
+                tl.store(dst + phase_offset + rank * slot_stride + offs, bits, mask=ok)
+        # Receive: wait for each slot's elements, add them up in rank order, empty the slots.
+        own = tl.load(Ptrs + rank).to(tl.pointer_type(tl.int16))
+        for chunk in range(pid, chunks, programs):
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                src = own + phase_offset + r * slot_stride + offs
+                bits = tl.load(src, mask=ok, other=0, volatile=True)
+                while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+                    bits = tl.load(src, mask=ok, other=0, volatile=True)
+                if BF16:
+                    acc += bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+                else:
+                    acc += bits.to(tl.float16, bitcast=True).to(tl.float32)
+                tl.store(src, tl.full([BLOCK], _EMPTY, tl.int16), mask=ok)
+            if BF16:
+                tl.store(Out + offs, acc.to(tl.bfloat16), mask=ok)
+            else:
+                tl.store(Out + offs, acc.to(tl.float16), mask=ok)
+
+
+@torch.library.custom_op("duet::peer_sum", mutates_args=())
+def peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
+             phase: int) -> torch.Tensor:
+    """x summed over the ranks whose receive buffers ptrs addresses (int64 device addresses,
+    one per rank, each of PHASES x ranks x capacity int16 elements); every rank calls it with
+    its own x and rank at the same point. Opaque to torch.compile: its writes to the buffers
+    are nothing Inductor may move."""
+    flat = x.contiguous().view(-1)
+    out = torch.empty_like(flat)
+    n, world = flat.numel(), ptrs.numel()
+    grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
+    _peer_sum_kernel[grid](flat.view(torch.int16), out, ptrs, rank, n, capacity,
+                           phase * world * capacity, WORLD=world,
+                           BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK)
+    return out.view(x.shape)
+
+
+@peer_sum.register_fake
+def _(x, ptrs, rank, capacity, phase):
+    return torch.empty_like(x)
+
+
+@dataclass(frozen=True)
+class PeerSum:
+    """One rank's handle on the ranks' receive buffers."""
+
+    ptrs: torch.Tensor  # int64 [world]: each rank's buffer, as this rank addresses it
+    rank: int
+    capacity: int  # elements a sum may have
+    dtype: torch.dtype
+    # This rank's buffer and its mapping: held while the ranks may write to it.
+    buffer: torch.Tensor
+    handle: object
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.capacity
+
+    def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
+        return torch.ops.duet.peer_sum(x, self.ptrs, self.rank, self.capacity, phase)
+
+
+def buffer_elements(world: int, capacity: int) -> int:
+    return PHASES * world * capacity
+
+
+def create(group, device: str, capacity: int, dtype: torch.dtype) -> PeerSum | None:
+    """Every rank of group calls it at the same point (it is collective): the ranks' buffers
+    for sums of up to `capacity` elements, checked on a known sum; None on every rank where
+    any rank cannot (no Triton, no symmetric memory, not a 16-bit float, DUET_TP_ALL_REDUCE
+    set to nccl), and the process group's all-reduce serves instead."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    handle, buffer = None, None
+    wanted = (triton is not None and device.startswith("cuda")
+              and dtype in (torch.bfloat16, torch.float16)
+              and os.environ.get("DUET_TP_ALL_REDUCE", "peer") != "nccl")
+    if wanted:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(buffer_elements(world, capacity), dtype=torch.int16,
+                                    device=device)
+        except Exception as exc:  # no symmetric memory in this build or on this machine
+            log.warning("tensor parallelism: no symmetric memory here (%s)", exc)
+    if not _everyone(buffer is not None, device, group):
+        return None
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    buffer.fill_(EMPTY)
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # every buffer empty before any rank writes
+    peer = PeerSum(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device),
+                   rank, capacity, dtype, buffer, handle)
+    # Rank r adds r + 1 everywhere, and a negative zero stays a zero; the phases alternate
+    # and end on the last, as a forward's do.
+    right = True
+    for phase, rows, value in ((0, 1, rank + 1.0), (1, 3, rank + 1.0), (0, 2, -0.0),
+                               (1, 5, rank + 1.0)):
+        got = peer(torch.full((rows, 7), value, dtype=dtype, device=device), phase)
+        right &= bool((got == (0 if value == 0 else world * (world + 1) / 2)).all())
+    if not _everyone(right, device, group):
+        log.warning("tensor parallelism: the peer sums' check failed: NCCL's all-reduce instead")
+        return None
+    return peer
+
+
+def _everyone(ok: bool, device: str, group) -> bool:
+    """Whether ok holds on every rank (each rank gets the same answer)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
