@@ -270,7 +270,23 @@ def stress(rank: int, world: int, max_rows: int, sums: int = 400) -> dict:
             differ += int((outs[j] != want).sum())
             total += want.numel()
             worst = max(worst, float((outs[j].float() - want.float()).abs().max()))
-    return {"elements": total, "differ": differ, "max_abs_diff": worst}
+    # The gather of a decode step's logits to rank 0, after a sum as in a step.
+    part = VOCAB // world
+    gather = peer_sum.create_gather(group, f"cuda:{rank}", max_rows, part, torch.bfloat16)
+    gathered, gather_differ = 0, 0
+    for i in range(60):
+        rows = int(torch.randint(1, max_rows + 1, (1,), generator=sizes))
+        peer(torch.randn(rows, HIDDEN, generator=gen, device=device).to(torch.bfloat16), i % 2)
+        x = torch.randn(rows, part, generator=gen, device=device).to(torch.bfloat16)
+        got = gather(x)
+        want = funcol.wait_tensor(funcol.all_gather_tensor(x, 1, group))
+        if rank == 0:
+            gather_differ += int((got != want).sum())
+            gathered += want.numel()
+        else:
+            gather_differ += int(got.numel() != 0)
+    return {"elements": total, "differ": differ, "max_abs_diff": worst,
+            "gathered": gathered, "gather_differ": gather_differ}
 
 
 def worker(rank: int, world: int, args, port: int, results) -> None:

@@ -104,6 +104,8 @@ def main() -> int:
                         help="none or bench_features.py's features, comma-separated")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="split the model over this many GPUs (kernels: rank 0's)")
+    parser.add_argument("--prefill-kernels", action="store_true",
+                        help="torch.profiler over the prompts' prefill too")
     parser.add_argument("--no-kernels", action="store_true", help="skip torch.profiler")
     parser.add_argument("--mask-threads", type=int, default=None,
                         help="llguidance's threads for the grammar masks (its default: 80%% "
@@ -156,8 +158,19 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
                for i in range(b)]
     for p in prompts:
         runtime.add(Submission(p, params, lambda e: None))
+    profiler = None
+    if args.prefill_kernels:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        profiler.__enter__()
     while any(live.out.n == 0 for live in runtime._live.values()):
         runtime.step()
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            print(f"prefill B={b}, by {key}:\n" + profiler.key_averages().table(
+                sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
     prefill = dict(timer.spent)
     timer.spent.clear()
     for _ in range(args.steps):

@@ -120,7 +120,8 @@ class GraphDecoder:
                  backend: str | None = None, head: bool = True):
         self.model, self.kv, self.device = model, kv, device
         # False for a tensor-parallel rank other than 0: it samples nothing, so its step ends
-        # at the last layer's hidden states (the vocabulary projection is a large read).
+        # at the last layer's hidden states (the vocabulary projection is a large read), or
+        # at its share of the logits, sent to rank 0, under a split projection.
         self.head = head
         self.page = kv.block_size
         self.batches = batch_buckets(max_batch)
@@ -167,10 +168,17 @@ class GraphDecoder:
             write_slots=x[:, WRITE], last=last, table=x[:, TABLE:], kv_len=kv_len,
             page=self.page, trash=self.kv.trash, window=self.model.args.sliding_window,
         )
-        if not self.head:
+        split = self.model.vocab_split
+        if split is not None:  # tensor parallel: every rank projects its share
+            hidden = self.model.last_hidden(batch, self.kv)
+            logits = split(self.model.model.norm(hidden))
+            if not self.head:
+                return logits, hidden[:, 0]
+        elif not self.head:
             hidden = self.model.hidden_paged(batch, self.kv)[:, 0]
             return hidden, hidden[:, 0]
-        logits = self.model.forward_paged(batch, self.kv)
+        else:
+            logits = self.model.forward_paged(batch, self.kv)
         # ATen's argmax over one row of a 128k vocabulary runs in one thread block (29 us on
         # an H200): a lone row takes the two-stage pick.
         greedy = argmax_in_chunks(logits[0]) if one_row else torch.argmax(logits, dim=-1)

@@ -96,7 +96,7 @@ class TorchEngine(GenerationEngine):
                     context_length, self.device, free_memory_bytes(self.device)),
             RuntimeOptions(kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
                            prefix_cache))
-        use_peer_sums(self.model, self.device, shape.max_batch)
+        use_peer_sums(self.model, self.device, shape.max_batch, shape.max_prefill_tokens)
         self.decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch)
         self.meter = self._own_meter = memory_meter(self.device)  # own: this rank's
         world = 1
@@ -153,7 +153,8 @@ class TorchEngine(GenerationEngine):
                                     torch_dtype(self.dtype), self.device)
         if self.ranks is not None:
             self.ranks.build(PoolShape(shape.pool.num_blocks, shape.pool.block_size,
-                                       shape.context_length, shape.max_batch))
+                                       shape.context_length, shape.max_batch,
+                                       shape.max_prefill_tokens))
 
     def rank_status(self) -> tuple[RankStatus, ...]:
         if self.ranks is None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..base import UnsupportedModel
 from .config import ModelArgs
-from .tensor_parallel import Sums
+from .tensor_parallel import Sums, VocabSplit
 
 
 class KVCache(nn.Module):
@@ -207,6 +207,7 @@ class Transformer(nn.Module):
         # with it (ranks.py). Steps are told by the executor.
         self.mirror = None
         self.sums: Sums | None = None  # every layer's, under tensor parallelism
+        self.vocab_split: VocabSplit | None = None  # the decode step's, under it
 
     def scratch_cache(self, max_len: int):
         """A contiguous batch-1 cache for max_len positions, for work outside the runtime's
@@ -267,8 +268,12 @@ class Transformer(nn.Module):
 
     def forward_paged(self, batch, kv) -> torch.Tensor:
         """Logits [B, V] after each row's last real token, for a PagedBatch over the pool kv."""
+        return self.head(self.last_hidden(batch, kv))
+
+    def last_hidden(self, batch, kv) -> torch.Tensor:
+        """The last layer's hidden states [B, H] at each row's last real token."""
         x = self.hidden_paged(batch, kv)
-        return self.head(x[torch.arange(x.shape[0], device=x.device), batch.last])
+        return x[torch.arange(x.shape[0], device=x.device), batch.last]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states [..., H]."""

@@ -20,7 +20,10 @@ each sum waits for every rank's part; so the buffer a sum writes was read and em
 owner one sum before, in a kernel that ended before the owner sent that sum's part.
 
 Only 16-bit floats (negative zero is 0x8000 in both) and sums of up to `capacity` elements go
-this way; the rest, and the CPU, go through the process group's all-reduce (model.summed)."""
+this way; the rest, and the CPU, go through the process group's all-reduce (tensor_parallel.Sums).
+
+A gather to rank 0 (a decode step's logits, each rank's share of the vocabulary) works the same
+way into rank 0's buffer alone; the other ranks send and go on."""
 
 from __future__ import annotations
 
@@ -79,6 +82,33 @@ if triton is not None:
             else:
                 tl.store(Out + offs, acc.to(tl.float16), mask=ok)
 
+    @triton.jit
+    def _peer_gather_kernel(X, Out, Ptrs, rank, n, part, slot_stride,
+                            WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        chunks = tl.cdiv(n, BLOCK)
+        first = tl.load(Ptrs).to(tl.pointer_type(tl.int16))  # rank 0's buffer
+        if rank != 0:  # send this rank's columns to rank 0, and go on
+            for chunk in range(pid, chunks, programs):
+                offs = chunk * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                bits = tl.load(X + offs, mask=ok, other=0)
+                bits = tl.where(bits == _EMPTY, 0, bits)
+                tl.store(first + rank * slot_stride + offs, bits, mask=ok)
+        else:  # lay rank 0's own columns and each other rank's, as they arrive, side by side
+            for chunk in range(pid, chunks, programs):
+                offs = chunk * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                out = Out + (offs // part) * (WORLD * part) + offs % part
+                tl.store(out, tl.load(X + offs, mask=ok, other=0), mask=ok)
+                for r in tl.static_range(1, WORLD):
+                    src = first + r * slot_stride + offs
+                    bits = tl.load(src, mask=ok, other=0, volatile=True)
+                    while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+                        bits = tl.load(src, mask=ok, other=0, volatile=True)
+                    tl.store(out + r * part, bits, mask=ok)
+                    tl.store(src, tl.full([BLOCK], _EMPTY, tl.int16), mask=ok)
+
 
 @torch.library.custom_op("duet::peer_sum", mutates_args=())
 def peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
@@ -102,6 +132,29 @@ def _(x, ptrs, rank, capacity, phase):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("duet::peer_gather", mutates_args=())
+def peer_gather(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int) -> torch.Tensor:
+    """Rank 0: the ranks' x [rows, part] side by side, [rows, ranks x part], rank 0's first.
+    Another rank: its x sent to rank 0, and an empty [rows, 0] back (to be returned by its
+    caller, so the compiler keeps the call). Every rank calls it at the same point; rank 0's
+    buffer (ranks x capacity int16 elements) holds one gather at a time, which holds since
+    every forward sums over the ranks (waiting for rank 0) before it gathers again."""
+    x = x.contiguous()
+    rows, part = x.shape
+    world = ptrs.numel()
+    out = torch.empty(rows, world * part if rank == 0 else 0, dtype=x.dtype, device=x.device)
+    n = x.numel()
+    grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
+    _peer_gather_kernel[grid](x.view(torch.int16), out.view(torch.int16), ptrs, rank, n, part,
+                              capacity, WORLD=world, BLOCK=BLOCK)
+    return out
+
+
+@peer_gather.register_fake
+def _(x, ptrs, rank, capacity):
+    return x.new_empty(x.shape[0], x.shape[1] * ptrs.numel() if rank == 0 else 0)
+
+
 @dataclass(frozen=True)
 class PeerSum:
     """One rank's handle on the ranks' receive buffers."""
@@ -121,8 +174,48 @@ class PeerSum:
         return torch.ops.duet.peer_sum(x, self.ptrs, self.rank, self.capacity, phase)
 
 
+@dataclass(frozen=True)
+class PeerGather:
+    """One rank's handle on rank 0's gather buffer."""
+
+    ptrs: torch.Tensor
+    rank: int
+    capacity: int  # elements a rank's part may have
+    buffer: torch.Tensor
+    handle: object
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.duet.peer_gather(x, self.ptrs, self.rank, self.capacity)
+
+
 def buffer_elements(world: int, capacity: int) -> int:
     return PHASES * world * capacity
+
+
+def _mapped(group, device: str, elements: int, dtype: torch.dtype):
+    """Collective: (this rank's buffer of `elements` int16, emptied; its mapping; every rank's
+    buffer's address) where every rank can map one, else None on every rank."""
+    import torch.distributed as dist
+
+    buffer = None
+    wanted = (triton is not None and device.startswith("cuda")
+              and dtype in (torch.bfloat16, torch.float16)
+              and os.environ.get("DUET_TP_ALL_REDUCE", "peer") != "nccl")
+    if wanted:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(elements, dtype=torch.int16, device=device)
+        except Exception as exc:  # no symmetric memory in this build or on this machine
+            log.warning("tensor parallelism: no symmetric memory here (%s)", exc)
+    if not _everyone(buffer is not None, device, group):
+        return None
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    buffer.fill_(EMPTY)
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # every buffer empty before any rank writes
+    return buffer, handle, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
+                                        device=device)
 
 
 def create(group, device: str, capacity: int, dtype: torch.dtype) -> PeerSum | None:
@@ -133,26 +226,11 @@ def create(group, device: str, capacity: int, dtype: torch.dtype) -> PeerSum | N
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    handle, buffer = None, None
-    wanted = (triton is not None and device.startswith("cuda")
-              and dtype in (torch.bfloat16, torch.float16)
-              and os.environ.get("DUET_TP_ALL_REDUCE", "peer") != "nccl")
-    if wanted:
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            buffer = symm_mem.empty(buffer_elements(world, capacity), dtype=torch.int16,
-                                    device=device)
-        except Exception as exc:  # no symmetric memory in this build or on this machine
-            log.warning("tensor parallelism: no symmetric memory here (%s)", exc)
-    if not _everyone(buffer is not None, device, group):
+    mapped = _mapped(group, device, buffer_elements(world, capacity), dtype)
+    if mapped is None:
         return None
-    handle = symm_mem.rendezvous(buffer, group.group_name)
-    buffer.fill_(EMPTY)
-    torch.cuda.synchronize(device)
-    dist.barrier(group)  # every buffer empty before any rank writes
-    peer = PeerSum(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device),
-                   rank, capacity, dtype, buffer, handle)
+    buffer, handle, ptrs = mapped
+    peer = PeerSum(ptrs, rank, capacity, dtype, buffer, handle)
     # Rank r adds r + 1 everywhere, and a negative zero stays a zero; the phases alternate
     # and end on the last, as a forward's do.
     right = True
@@ -164,6 +242,32 @@ def create(group, device: str, capacity: int, dtype: torch.dtype) -> PeerSum | N
         log.warning("tensor parallelism: the peer sums' check failed: NCCL's all-reduce instead")
         return None
     return peer
+
+
+def create_gather(group, device: str, rows: int, part: int,
+                  dtype: torch.dtype) -> PeerGather | None:
+    """Collective, as create: rank 0's buffer for gathering [rows, part] from every rank,
+    checked on a known gather; None on every rank where any rank cannot."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mapped = _mapped(group, device, world * rows * part, dtype)
+    if mapped is None:
+        return None
+    gather = PeerGather(mapped[2], rank, rows * part, mapped[0], mapped[1])
+    # Rank r's part is r + 1 (a negative zero's for rank 1: sent as a zero, not waited for).
+    value = -0.0 if rank == 1 else rank + 1.0
+    got = gather(torch.full((2, 3), value, dtype=dtype, device=device))
+    right = True
+    if rank == 0:
+        want = torch.tensor([0.0 if r == 1 else r + 1.0 for r in range(world)], dtype=dtype,
+                            device=device).repeat_interleave(3).expand(2, -1)
+        right = bool(torch.equal(got, want))
+    if not _everyone(right, device, group):  # also: no rank gathers again before rank 0 read
+        log.warning("tensor parallelism: the peer gather's check failed: the vocabulary "
+                    "projection stays whole on rank 0")
+        return None
+    return gather
 
 
 def _everyone(ok: bool, device: str, group) -> bool:

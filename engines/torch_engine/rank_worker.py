@@ -53,7 +53,7 @@ class Rank:
         self.model.setup_rope(shape.context_length)
         self.kv = PagedKV.for_model(self.model, shape.num_blocks, shape.block_size,
                                     torch_dtype(self.spec.dtype), self.device)
-        use_peer_sums(self.model, self.device, shape.max_batch)
+        use_peer_sums(self.model, self.device, shape.max_batch, shape.max_prefill_tokens)
         self.decoder = make_decoder(self.model, self.kv, self.device, self.spec.compile,
                                     shape.max_batch, head=False)
 

@@ -68,6 +68,7 @@ class PoolShape:
     block_size: int
     context_length: int
     max_batch: int
+    max_prefill_tokens: int
 
 
 def rank_device(device: str, rank: int) -> str:

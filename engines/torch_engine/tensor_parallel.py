@@ -5,8 +5,9 @@ Each rank holds a contiguous share of the query heads with their KV heads (Q/K/V
 column-wise, the output projection row-wise) and of the MLP's hidden units (gate/up
 column-wise, down row-wise); each block's two row-wise products are summed over the ranks
 (Sums), so every rank ends each layer with the whole hidden state. Embeddings, norms and
-the vocabulary projection are whole on every rank: every rank computes the same logits, and only
-rank 0 samples. A rank's KV pool holds its own KV heads only.
+the vocabulary projection are whole on every rank. Only rank 0 samples: in a decode step each
+rank projects its share of the vocabulary and rank 0 gathers the logits (VocabSplit); outside
+the steps rank 0 projects alone. A rank's KV pool holds its own KV heads only.
 
 A rank reads its share of a safetensors checkpoint by slices (safetensors' get_slice), not the
 whole file."""
@@ -50,22 +51,68 @@ class Sums:
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
         if self.peer is not None and self.peer.fits(x):
             return self.peer(x, phase)
-        from torch.distributed import _functional_collectives as funcol
+        if torch.compiler.is_compiling():
+            from torch.distributed import _functional_collectives as funcol
 
-        return funcol.all_reduce(x, "sum", self.group)
+            return funcol.all_reduce(x, "sum", self.group)
+        # Eagerly, in place: the functional collective's tensor subclass and bookkeeping cost
+        # the host about 0.3 ms a sum (an eager prefill forward of the 8B shape took twice as
+        # long over two GPUs as on one, bound by the host). x is the projection's own output.
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
 
 
-def use_peer_sums(model, device: str, rows: int) -> None:
+@dataclass(frozen=True)
+class VocabSplit:
+    """A decode step's vocabulary projection split over the ranks: each rank multiplies by its
+    share of the vocabulary's rows (a view of the whole weight, which every rank holds for the
+    forwards outside the steps) and rank 0 gathers the logits (peer_sum.PeerGather). Rank 0
+    alone read the whole projection before, a large read (1 GB for the 8B shape) the other
+    ranks waited for at the next step's first sum."""
+
+    weight: torch.Tensor  # this rank's rows of the projection's weight (a view)
+    gather: peer_sum.PeerGather
+
+    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
+        """Rank 0: the logits [B, V] of final hidden states after the norm [B, H]; another
+        rank: an empty [B, 0], to be returned so the compiler keeps the gather."""
+        return self.gather(torch.nn.functional.linear(normed, self.weight))
+
+
+# The peer sums' buffers hold a prefill forward's sums up to this many tokens (the CUDA default
+# budget): 64 MB a rank for the 8B shape (hidden 4096, bf16, two phases, two ranks).
+MAX_PEER_TOKENS = 2048
+
+
+def use_peer_sums(model, device: str, rows: int, tokens: int) -> None:
     """Collective, at the same point on every rank: a tensor-parallel model's sums of up to
-    `rows` rows (a decode step's) through peer sums where every rank can make them."""
+    `rows` rows (a decode step's) or `tokens` tokens (a prefill forward's, up to
+    MAX_PEER_TOKENS) through peer sums where every rank can make them, and then its decode
+    step's vocabulary projection split over the ranks (a plain float projection whose rows
+    divide by the ranks)."""
     if model.sums is None:
         return
+    import torch.distributed as dist
+
+    group = model.sums.group
     dtype = model.model.embed_tokens.weight.dtype
-    model.sums.peer = peer_sum.create(model.sums.group, device, rows * model.args.hidden_size,
-                                      dtype)
-    log.info("tensor parallelism: sums %s", f"of up to {rows} rows through peer sums, "
-             "larger through the group's all-reduce" if model.sums.peer else
-             "through the group's all-reduce")
+    model.sums.peer = peer_sum.create(
+        group, device, max(rows, min(tokens, MAX_PEER_TOKENS)) * model.args.hidden_size, dtype)
+    world, vocab = dist.get_world_size(group), model.args.vocab_size
+    if model.sums.peer is not None and type(model.lm_head) is nn.Linear and not vocab % world:
+        part = vocab // world
+        gather = peer_sum.create_gather(group, device, rows, part, dtype)
+        if gather is not None:
+            rank = dist.get_rank(group)
+            model.vocab_split = VocabSplit(
+                model.lm_head.weight[rank * part:(rank + 1) * part], gather)
+    log.info("tensor parallelism: sums %s; the decode step's vocabulary projection %s",
+             f"of up to {model.sums.peer.capacity // model.args.hidden_size} rows through peer "
+             "sums, larger through the group's all-reduce" if model.sums.peer else
+             "through the group's all-reduce",
+             "split over the ranks" if model.vocab_split else "whole on rank 0")
 
 
 def check_splits(args: ModelArgs, world: int) -> None:

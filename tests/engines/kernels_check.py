@@ -1,7 +1,8 @@
 """Run by test_cuda_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter
 runs the CUDA path's kernels (paged decode attention, SiLU * up, the nucleus border, the
-tensor-parallel peer sum) on the CPU (the flag must be set before a kernel is defined, so it cannot share the test process); on
-a GPU the same checks run compiled. Exits non-zero on a mismatch."""
+tensor-parallel peer sum and gather) on the CPU (the flag must be set before a kernel is
+defined, so it cannot share the test process); on a GPU the same checks run compiled. Exits
+non-zero on a mismatch."""
 
 from __future__ import annotations
 
@@ -209,6 +210,32 @@ def check_peer_sum(device: str = "cpu") -> None:
             assert (rest == ps.EMPTY).all(), "rank 1's buffer is not empty after its sum"
 
 
+def check_peer_gather(device: str = "cpu") -> None:
+    """Three ranks' gather to rank 0, in turn: ranks 1 and 2 send and return at once, rank 0
+    lays their columns beside its own in rank order; negative zeros arrive as zeros; rank 0's
+    buffer is empty after."""
+    from engines.torch_engine import peer_sum as ps
+
+    world = 3
+    for rows, part in ((1, 7), (3, 2 * ps.BLOCK + 9)):
+        capacity = rows * part + 5
+        bufs = [torch.full((world * capacity,), ps.EMPTY, dtype=torch.int16, device=device)
+                for _ in range(world)]
+        ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+        parts = [torch.randn(rows, part, dtype=torch.bfloat16, device=device)
+                 for _ in range(world)]
+        parts[1][0, :2] = -0.0
+        for rank in (2, 1):
+            got = torch.ops.duet.peer_gather(parts[rank], ptrs, rank, capacity)
+            assert got.shape == (rows, 0), got.shape
+        got = torch.ops.duet.peer_gather(parts[0], ptrs, 0, capacity)
+        want = torch.cat(parts, dim=1)
+        assert torch.equal(got.float(), want.float()), (rows, part)
+        assert not torch.signbit(got[0, part:part + 2]).any(), "a negative zero went as is"
+        assert (bufs[0] == ps.EMPTY).all(), "rank 0's buffer is not empty after the gather"
+        assert all((b == ps.EMPTY).all() for b in bufs[1:]), "a gather wrote past rank 0"
+
+
 if __name__ == "__main__":
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     check_op(device=device)
@@ -216,6 +243,7 @@ if __name__ == "__main__":
     check_borders(device=device)
     if device == "cpu":  # on a GPU, scripts/bench_all_reduce.py checks it over two
         check_peer_sum(device)
+        check_peer_gather(device)
     check_model(window=None, device=device)
     check_model(window=8, device=device)
     print("kernels: ok")

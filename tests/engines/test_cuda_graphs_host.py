@@ -239,3 +239,30 @@ def test_the_sampler_graphs_draw_what_the_sampler_does(monkeypatch):
             got = graphs(logits, floats, ints, ranked)
             assert got.tolist() == direct(logits, floats, ints, ranked).tolist()
     assert set(graphs._graphs) == {(2, False), (2, True), (4, True), (8, False), (8, True)}
+
+
+def test_a_split_vocabulary_projection_decodes_as_the_whole(tiny_dirs):
+    """Under tensor parallelism the decode step projects the vocabulary through the model's
+    VocabSplit (each rank its rows, rank 0 gathering). Here one rank's split over the whole
+    vocabulary with a gather that passes its part on: the rows still get their solo tokens,
+    and every step went through it."""
+    from engines.torch_engine.loader import load_model
+    from engines.torch_engine.tensor_parallel import VocabSplit
+
+    engine = graph_engine(tiny_dirs, max_batch=4)
+    # The projection's float weight (the engine's own is packed for oneDNN on this CPU).
+    weight = load_model(tiny_dirs["llama"][0], torch.float32, "cpu").lm_head.weight
+    expected = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    gathered = []
+
+    def gather(part):
+        gathered.append(part.shape[0])
+        return part
+
+    engine.model.vocab_split = VocabSplit(weight, gather)
+    engine.decoder.warm_up()
+    gathered.clear()
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+    assert got == expected
+    assert gathered, "the decode steps did not project through the split"
