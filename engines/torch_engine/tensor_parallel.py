@@ -42,8 +42,8 @@ class Shard:
 class Sums:
     """How one rank's partial hidden states are added up over the ranks: by peer sums
     (peer_sum.py) where they are set and the sum fits, else by the group's all-reduce (NCCL on
-    CUDA, gloo on the CPU; a functional collective, which torch.compile traces and a CUDA
-    graph captures). One per model, shared by its layers."""
+    CUDA, gloo on the CPU): compiled, as a functional collective, which torch.compile traces
+    and a CUDA graph captures; eagerly, in place. One per model, shared by its layers."""
 
     group: object  # the ranks' torch.distributed process group
     peer: peer_sum.PeerSum | None = None
