@@ -16,8 +16,8 @@ from engines.base import RequestStats, SamplingParams, Step, UnsupportedModel
 from engines.runtime.process import EngineProcessError
 from engines.torch_engine import TorchEngine
 from engines.torch_engine.config import ModelArgs
-from engines.torch_engine.loader import read_config
-from engines.torch_engine.tensor_parallel import Shard, check_splits, read_shard
+from engines.torch_engine.loader import load_model, read_config
+from engines.torch_engine.tensor_parallel import Shard, Sums, check_splits, read_shard
 from server.worker import EngineWorker
 from tests.engines.helpers import run_batch
 
@@ -102,6 +102,50 @@ def test_a_rank_reads_its_slices_and_the_slices_make_the_whole(tiny_dirs):
     for key in ("model.embed_tokens.weight", "model.norm.weight"):  # whole on each rank
         assert all(torch.equal(p[key], whole[key]) for p in parts)
     assert "lm_head.weight" not in parts[0]  # tied: the embedding stands for it
+
+
+class RecordedPeerSums:
+    """Stands in for peer_sum.PeerSum: records each sum's phase and rows, adds nothing (one
+    rank)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.calls = capacity, []
+
+    def fits(self, x):
+        return x.numel() <= self.capacity
+
+    def __call__(self, x, phase):
+        self.calls.append((phase, x.numel() // x.shape[-1]))
+        return x
+
+
+def test_a_forward_sums_twice_a_layer_in_alternating_phases(tiny_dirs):
+    """What the peer sums' buffers rely on (peer_sum.py): every forward sums each layer's
+    attention through phase 0, then its MLP through phase 1, so consecutive sums never share a
+    buffer, whatever forwards follow one another; a sum larger than the buffers goes through
+    the group's all-reduce; the sums' results are what the layers go on with."""
+    import torch.distributed as dist
+
+    path = tiny_dirs["llama"][0]
+    model = load_model(path, torch.float32, "cpu")
+    whole = load_model(path, torch.float32, "cpu")
+    model.setup_rope(32)
+    whole.setup_rope(32)
+    hidden, layers = model.args.hidden_size, model.args.num_layers
+    peer = RecordedPeerSums(capacity=3 * hidden)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model.sums = Sums(dist.group.WORLD, peer)
+        for layer in model.model.layers:
+            layer.self_attn.sums = layer.mlp.sums = model.sums
+        with torch.inference_mode():
+            for tokens in ([[5, 6]], [[5, 6, 7, 8, 9]], [[7]]):  # 2 rows fit, 5 do not
+                x = torch.tensor(tokens)
+                with model.scratch_cache(16), whole.scratch_cache(16):
+                    assert torch.allclose(model(x, 0), whole(x, 0), atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+    assert peer.calls == [(0, 2), (1, 2)] * layers + [(0, 1), (1, 1)] * layers
 
 
 def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
