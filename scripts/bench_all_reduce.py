@@ -10,7 +10,8 @@ graphs as the engine replays them.
 2. A decode step's matrix products alone, Llama-3.1-8B shape, bf16, 32 layers of distinct
    weights: the whole model on one GPU, against one rank's share with no sums, with NCCL's sums,
    the symmetric one-shot's and the peer sums (the vocabulary projection whole on every rank,
-   or split).
+   or split); with --norms, each sum followed by the residual add and the next RMS norm, and
+   the peer sums fused with them (one kernel each) besides.
 
 Prints a table and writes JSON under docs/bench/.
 
@@ -138,8 +139,10 @@ def sums(rank: int, world: int, rows_list: list[int], reps: int) -> list[dict]:
     return out
 
 
-def layers(rank: int, world: int, rows_list: list[int]) -> list[dict]:
-    """A decode step's products: per layer QKV, output, gate/up, down, two sums."""
+def layers(rank: int, world: int, rows_list: list[int], norms: bool = False) -> list[dict]:
+    """A decode step's products: per layer QKV, output, gate/up, down, two sums; with norms,
+    each sum followed by the residual add and an RMS norm, and the peer sums fused with them
+    (peer_sum_norm) besides."""
     import torch
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
@@ -164,7 +167,29 @@ def layers(rank: int, world: int, rows_list: list[int]) -> list[dict]:
     buf = symm_mem.empty(max_rows * HIDDEN, dtype=torch.bfloat16, device=device)
     symm_mem.rendezvous(buf, name)
 
-    def step(ws, x, head, sum_fn):
+    norm_w = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+
+    def rms(y):
+        return F.rms_norm(y, (HIDDEN,), norm_w, 1e-5)
+
+    def step(ws, x, head, sum_fn, fused=False):
+        if norms:
+            h = rms(x)
+            for wqkv, wo, wgu, wd, q in ws:
+                a = (h @ wqkv.t())[:, :q] @ wo.t()
+                if fused:
+                    x, h = peer.add_norm(a, x, norm_w, 1e-5, 0)
+                else:
+                    x = x + sum_fn(a)
+                    h = rms(x)
+                gate, up = (h @ wgu.t()).chunk(2, dim=-1)
+                d = (F.silu(gate) * up) @ wd.t()
+                if fused:
+                    x, h = peer.add_norm(d, x, norm_w, 1e-5, 1)
+                else:
+                    x = x + sum_fn(d)
+                    h = rms(x)
+            return h @ head.t()
         for wqkv, wo, wgu, wd, q in ws:
             h = x @ wqkv.t()
             x = x + sum_fn(h[:, :q] @ wo.t())
@@ -199,15 +224,18 @@ def layers(rank: int, world: int, rows_list: list[int]) -> list[dict]:
     for rows in rows_list:
         x = torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device=device) * 0.1
         line = {"rows": rows}
-        for label, ws, head, fn in (("split_no_sums", split, head_whole, no_sum),
+        variants = [("split_no_sums", split, head_whole, no_sum),
                                     ("split_nccl", split, head_whole, nccl),
                                     ("split_nccl_vocab_split", split, head_split, nccl),
                                     ("split_one_shot", split, head_whole, one_shot),
                                     ("split_one_shot_vocab_split", split, head_split, one_shot),
                                     ("split_peer", split, head_whole, peer_fn),
-                                    ("split_peer_vocab_split", split, head_split, peer_fn)):
+                                    ("split_peer_vocab_split", split, head_split, peer_fn)]
+        if norms:
+            variants.append(("split_peer_fused_norms_vocab_split", split, head_split, "fused"))
+        for label, ws, head, fn in variants:
             try:
-                graph = capture(lambda: step(ws, x, head, fn))
+                graph = capture(lambda: step(ws, x, head, fn, fused=fn == "fused"))
                 line[label + "_ms"] = round(timed(graph, device), 3)
             except Exception as exc:
                 line[label + "_ms"] = None
@@ -285,8 +313,21 @@ def stress(rank: int, world: int, max_rows: int, sums: int = 400) -> dict:
             gathered += want.numel()
         else:
             gather_differ += int(got.numel() != 0)
+    # The sum fused with the residual add and the norm, against the sum and the two ops after.
+    weight = torch.rand(HIDDEN, generator=gen, device=device).to(torch.bfloat16) + 0.5
+    fused_differ, fused_worst = 0, 0.0
+    for i in range(100):
+        rows = int(torch.randint(1, max_rows + 1, (1,), generator=sizes))
+        x, res = (torch.randn(rows, HIDDEN, generator=gen, device=device).to(torch.bfloat16)
+                  for _ in range(2))
+        new, normed = peer.add_norm(x, res, weight, 1e-5, i % 2)
+        want = res + funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+        fused_differ += int((new != want).sum())
+        fused_worst = max(fused_worst, float((normed.float() - torch.nn.functional.rms_norm(
+            want, (HIDDEN,), weight, 1e-5).float()).abs().max()))
     return {"elements": total, "differ": differ, "max_abs_diff": worst,
-            "gathered": gathered, "gather_differ": gather_differ}
+            "gathered": gathered, "gather_differ": gather_differ,
+            "fused_residual_differ": fused_differ, "fused_norm_max_abs_diff": fused_worst}
 
 
 def worker(rank: int, world: int, args, port: int, results) -> None:
@@ -301,7 +342,7 @@ def worker(rank: int, world: int, args, port: int, results) -> None:
                             device_id=torch.device("cuda", rank))
     rows = [int(r) for r in args.rows.split(",")]
     got = {"stress": stress(rank, world, max(rows)), "sums": sums(rank, world, rows, args.reps),
-           "layers": layers(rank, world, rows)}
+           "layers": layers(rank, world, rows, args.norms)}
     if rank == 0:
         results.put(got)
     dist.barrier()
@@ -317,6 +358,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--reps", type=int, default=64, help="sums per graph (two a layer)")
+    parser.add_argument("--norms", action="store_true",
+                        help="the step's residual adds and RMS norms too, and the peer sums "
+                             "fused with them")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     world = torch.cuda.device_count()

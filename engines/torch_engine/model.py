@@ -63,12 +63,6 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     raise UnsupportedModel(f"rope scaling '{kind}' is not supported (default, linear, llama3)")
 
 
-def summed(x: torch.Tensor, sums: Sums | None, phase: int) -> torch.Tensor:
-    """x added up over a tensor-parallel group's ranks (x itself without one); phase: 0 for
-    a layer's attention, 1 for its MLP (tensor_parallel.Sums)."""
-    return x if sums is None else sums(x, phase)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -98,9 +92,6 @@ class Attention(nn.Module):
         # Set by the CUDA runner: the static decode step calls the Triton kernel in
         # decode_attention.py instead of the PyTorch-op attention below.
         self.decode_kernel = False
-        # Under tensor parallelism (tensor_parallel.py) this rank holds some of the heads: its
-        # output projection's partial sums are added up over the ranks.
-        self.sums: Sums | None = None
 
     def forward(self, x, cos, sin, pos, mask, pool=None):
         b, t, _ = x.shape
@@ -120,7 +111,7 @@ class Attention(nn.Module):
                     q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
                     enable_gqa=self.n_kv != self.n_heads,
                 )
-        return summed(self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), self.sums, 0)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _paged_attention(self, q, k, v, batch, pool):
         """Write the rows' K/V into the pool, then attend over each row's keys: through the
@@ -160,14 +151,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(d, 2 * self.hidden, bias=bias)
         self.down_proj = nn.Linear(self.hidden, d, bias=bias)
         self.act_kernel = False  # set by the CUDA runner: silu_mul.py's Triton kernel
-        self.sums: Sums | None = None  # as Attention's: this rank's share of the hidden units
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.act_kernel:
-            return summed(self.down_proj(torch.ops.duet.silu_mul(gate_up)), self.sums, 1)
+            return self.down_proj(torch.ops.duet.silu_mul(gate_up))
         gate, up = gate_up.split(self.hidden, dim=-1)
-        return summed(self.down_proj(F.silu(gate) * up), self.sums, 1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -177,10 +167,24 @@ class Block(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Under tensor parallelism (tensor_parallel.py) this rank holds some of the attention
+        # heads and MLP units: their output projections' partial sums are added up over the
+        # ranks, the attention's through phase 0, the MLP's through phase 1.
+        self.sums: Sums | None = None
 
     def forward(self, x, cos, sin, pos, mask, pool=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, pool)
+        x = x + (a if self.sums is None else self.sums(a, 0))
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + (m if self.sums is None else self.sums(m, 1))
+
+    def forward_normed(self, x, normed, next_norm: RMSNorm, cos, sin, pos, mask, pool=None):
+        """forward under tensor parallelism with each sum, its residual add and the next norm
+        in one (Sums.add_norm), given this block's input normed: (output, next_norm of it)."""
+        a = self.self_attn(normed, cos, sin, pos, mask, pool)
+        x, normed = self.sums.add_norm(a, x, self.post_attention_layernorm, 0)
+        m = self.mlp(normed)
+        return self.sums.add_norm(m, x, next_norm, 1)
 
 
 class Backbone(nn.Module):
@@ -291,7 +295,16 @@ class Transformer(nn.Module):
         if mask is not None and rep > 1 and batch.tokens.shape[1] > 1:
             mask = mask.repeat(1, 1, rep, 1)  # the query heads folded as _paged_attention does
         x = self.model.embed_tokens(batch.tokens)
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        if self.sums is not None and self.sums.fuses_norms(x):
+            normed = layers[0].input_layernorm(x)
+            for i, layer in enumerate(layers):
+                after = layers[i + 1].input_layernorm if i + 1 < len(layers) else \
+                    self.model.norm
+                x, normed = layer.forward_normed(x, normed, after, cos, sin, batch, None,
+                                                 (kv.k[i], kv.v[i], read, mask))
+            return x
+        for i, layer in enumerate(layers):
             x = layer(x, cos, sin, batch, None, (kv.k[i], kv.v[i], read, mask))
         return x
 

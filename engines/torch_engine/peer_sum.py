@@ -83,6 +83,45 @@ if triton is not None:
                 tl.store(Out + offs, acc.to(tl.float16), mask=ok)
 
     @triton.jit
+    def _peer_sum_norm_kernel(X, Res, W, NewRes, Normed, Ptrs, rank, rows, hidden, eps,
+                              slot_stride, phase_offset, WORLD: tl.constexpr,
+                              BF16: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The peer sum of rows of `hidden`, one program a row, then what the layer does next
+        with it: added to the residual stream (NewRes) and RMS-normed (Normed)."""
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        for row in range(pid, rows, programs):
+            bits = tl.load(X + row * hidden + cols, mask=ok, other=0)
+            bits = tl.where(bits == _EMPTY, 0, bits)
+            for r in tl.static_range(WORLD):
+                dst = tl.load(Ptrs + r).to(tl.pointer_type(tl.int16))
+                tl.store(dst + phase_offset + rank * slot_stride + row * hidden + cols, bits,
+                         mask=ok)
+        own = tl.load(Ptrs + rank).to(tl.pointer_type(tl.int16))
+        for row in range(pid, rows, programs):
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                src = own + phase_offset + r * slot_stride + row * hidden + cols
+                bits = tl.load(src, mask=ok, other=0, volatile=True)
+                while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+                    bits = tl.load(src, mask=ok, other=0, volatile=True)
+                if BF16:
+                    acc += bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+                else:
+                    acc += bits.to(tl.float16, bitcast=True).to(tl.float32)
+                tl.store(src, tl.full([BLOCK_H], _EMPTY, tl.int16), mask=ok)
+            # Rounded where the unfused step rounds: the sum, then the residual stream.
+            res = tl.load(Res + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+            new = (res + acc.to(Res.dtype.element_ty).to(tl.float32)).to(Res.dtype.element_ty)
+            tl.store(NewRes + row * hidden + cols, new, mask=ok)
+            x = new.to(tl.float32)
+            scale = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+            w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(Normed + row * hidden + cols, (x * scale * w).to(Res.dtype.element_ty),
+                     mask=ok)
+
+    @triton.jit
     def _peer_gather_kernel(X, Out, Ptrs, rank, n, part, slot_stride,
                             WORLD: tl.constexpr, BLOCK: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -132,6 +171,30 @@ def _(x, ptrs, rank, capacity, phase):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("duet::peer_sum_norm", mutates_args=())
+def peer_sum_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                  ptrs: torch.Tensor, rank: int, capacity: int,
+                  phase: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """peer_sum's x [..., H] summed over the ranks, added to residual, and RMS-normed with
+    weight: (residual + sum, its norm), in one kernel (the sum, the add and the norm were three
+    kernels of a decode step, or two once compiled; each a launch and a wait in the graph)."""
+    hidden = x.shape[-1]
+    flat = x.contiguous().view(-1, hidden)
+    res = residual.contiguous().view(-1, hidden)
+    new, normed = torch.empty_like(res), torch.empty_like(res)
+    rows, world = flat.shape[0], ptrs.numel()
+    _peer_sum_norm_kernel[(min(rows, MAX_PROGRAMS),)](
+        flat.view(torch.int16), res, weight, new, normed, ptrs, rank, rows, hidden, eps,
+        capacity, phase * world * capacity, WORLD=world, BF16=x.dtype == torch.bfloat16,
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=8)
+    return new.view(residual.shape), normed.view(residual.shape)
+
+
+@peer_sum_norm.register_fake
+def _(x, residual, weight, eps, ptrs, rank, capacity, phase):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
 @torch.library.custom_op("duet::peer_gather", mutates_args=())
 def peer_gather(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int) -> torch.Tensor:
     """Rank 0: the ranks' x [rows, part] side by side, [rows, ranks x part], rank 0's first.
@@ -172,6 +235,11 @@ class PeerSum:
 
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
         return torch.ops.duet.peer_sum(x, self.ptrs, self.rank, self.capacity, phase)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float, phase: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.duet.peer_sum_norm(x, residual, weight, eps, self.ptrs, self.rank,
+                                            self.capacity, phase)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ whole file."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,9 @@ class Sums:
 
     group: object  # the ranks' torch.distributed process group
     peer: peer_sum.PeerSum | None = None
+    # Each peer sum with its residual add and the next norm in one kernel (add_norm): opt-in
+    # with DUET_TP_FUSED_NORMS=1 until measured against three kernels on two GPUs.
+    fused_norms: bool = False
 
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
         if self.peer is not None and self.peer.fits(x):
@@ -62,6 +66,18 @@ class Sums:
 
         dist.all_reduce(x, group=self.group)
         return x
+
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        """Whether a forward of hidden states like x takes add_norm's one kernel a sum."""
+        return self.fused_norms and self.peer is not None and self.peer.fits(x)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm,
+                 phase: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x summed over the ranks, norm of it); norm: a model.RMSNorm."""
+        if self.fuses_norms(x):
+            return self.peer.add_norm(x, residual, norm.weight, norm.eps, phase)
+        new = residual + self(x, phase)
+        return new, norm(new)
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,7 @@ def use_peer_sums(model, device: str, rows: int, tokens: int) -> None:
     dtype = model.model.embed_tokens.weight.dtype
     model.sums.peer = peer_sum.create(
         group, device, max(rows, min(tokens, MAX_PEER_TOKENS)) * model.args.hidden_size, dtype)
+    model.sums.fused_norms = os.environ.get("DUET_TP_FUSED_NORMS") == "1"
     world, vocab = dist.get_world_size(group), model.args.vocab_size
     if model.sums.peer is not None and type(model.lm_head) is nn.Linear and not vocab % world:
         part = vocab // world
@@ -139,11 +156,10 @@ def split_modules(model, shard: Shard, group) -> None:
         attn.qkv_proj = nn.Linear(d, attn.q_size + 2 * attn.kv_size, bias=args.qkv_bias,
                                   device="meta")
         attn.o_proj = nn.Linear(attn.q_size, d, bias=args.o_bias, device="meta")
-        attn.sums = sums
         mlp.hidden //= w
         mlp.gate_up_proj = nn.Linear(d, 2 * mlp.hidden, bias=args.mlp_bias, device="meta")
         mlp.down_proj = nn.Linear(mlp.hidden, d, bias=args.mlp_bias, device="meta")
-        mlp.sums = sums
+        layer.sums = sums
 
 
 # Hugging Face names (after "model.layers.N.") split by rows (outputs) or columns (inputs), and

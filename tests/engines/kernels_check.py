@@ -1,8 +1,8 @@
 """Run by test_cuda_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter
 runs the CUDA path's kernels (paged decode attention, SiLU * up, the nucleus border, the
-tensor-parallel peer sum and gather) on the CPU (the flag must be set before a kernel is
-defined, so it cannot share the test process); on a GPU the same checks run compiled. Exits
-non-zero on a mismatch."""
+tensor-parallel peer sum, alone or with the next norm, and gather) on the CPU (the flag must
+be set before a kernel is defined, so it cannot share the test process); on a GPU the same
+checks run compiled. Exits non-zero on a mismatch."""
 
 from __future__ import annotations
 
@@ -210,6 +210,42 @@ def check_peer_sum(device: str = "cpu") -> None:
             assert (rest == ps.EMPTY).all(), "rank 1's buffer is not empty after its sum"
 
 
+def check_peer_sum_norm(device: str = "cpu") -> None:
+    """The peer sum fused with its residual add and the next RMS norm, two ranks in turn as in
+    check_peer_sum: both get the same bits, residual + sum (rounded as the unfused step rounds)
+    and its norm; a rank's buffer is empty again after."""
+    from engines.torch_engine import peer_sum as ps
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, hidden, phase in ((1, 64, 0), (3, 96, 1), (ps.MAX_PROGRAMS + 2, 32, 0)):
+            capacity = rows * hidden + 3
+            bufs = [torch.full((ps.buffer_elements(2, capacity),), ps.EMPTY, dtype=torch.int16,
+                               device=device) for _ in range(2)]
+            ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+            x = [torch.randn(rows, hidden, dtype=dtype, device=device) for _ in range(2)]
+            x[0][0, :2] = -0.0
+            residual = torch.randn(rows, hidden, dtype=dtype, device=device)
+            weight = torch.rand(hidden, dtype=dtype, device=device) + 0.5
+            base = phase * 2 * capacity
+            bufs[1][base:base + rows * hidden] = \
+                torch.where(x[0] == 0, 0.0, x[0]).to(dtype).view(torch.int16).reshape(-1)
+            got = [None, None]
+            for rank in (1, 0):
+                got[rank] = torch.ops.duet.peer_sum_norm(x[rank], residual, weight, 1e-5, ptrs,
+                                                         rank, capacity, phase)
+            for a, b in zip(*got):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (dtype, rows)
+            total = (x[0].float() + x[1].float()).to(dtype)
+            new = (residual.float() + total.float()).to(dtype)
+            normed = torch.nn.functional.rms_norm(new.float(), (hidden,), weight.float(),
+                                                  1e-5).to(dtype)
+            # Within a rounding or two: the interpreter rounds float32 to 16 bits toward zero.
+            tol = 2 ** -6 if dtype == torch.bfloat16 else 2 ** -9
+            torch.testing.assert_close(got[0][0], new, atol=tol, rtol=tol)
+            torch.testing.assert_close(got[0][1], normed, atol=tol, rtol=tol)
+            assert (bufs[0] == ps.EMPTY).all(), "rank 0's buffer is not empty after its sum"
+
+
 def check_peer_gather(device: str = "cpu") -> None:
     """Three ranks' gather to rank 0, in turn: ranks 1 and 2 send and return at once, rank 0
     lays their columns beside its own in rank order; negative zeros arrive as zeros; rank 0's
@@ -243,6 +279,7 @@ if __name__ == "__main__":
     check_borders(device=device)
     if device == "cpu":  # on a GPU, scripts/bench_all_reduce.py checks it over two
         check_peer_sum(device)
+        check_peer_sum_norm(device)
         check_peer_gather(device)
     check_model(window=None, device=device)
     check_model(window=8, device=device)

@@ -118,6 +118,12 @@ class RecordedPeerSums:
         self.calls.append((phase, x.numel() // x.shape[-1]))
         return x
 
+    def add_norm(self, x, residual, weight, eps, phase):
+        """peer_sum_norm's arithmetic, one rank's."""
+        self.calls.append((f"norm {phase}", x.numel() // x.shape[-1]))
+        new = residual + x
+        return new, torch.nn.functional.rms_norm(new, (new.shape[-1],), weight, eps)
+
 
 def test_a_forward_sums_twice_a_layer_in_alternating_phases(tiny_dirs):
     """What the peer sums' buffers rely on (peer_sum.py): every forward sums each layer's
@@ -137,7 +143,7 @@ def test_a_forward_sums_twice_a_layer_in_alternating_phases(tiny_dirs):
     try:
         model.sums = Sums(dist.group.WORLD, peer)
         for layer in model.model.layers:
-            layer.self_attn.sums = layer.mlp.sums = model.sums
+            layer.sums = model.sums
         with torch.inference_mode():
             for tokens in ([[5, 6]], [[5, 6, 7, 8, 9]], [[7]]):  # 2 rows fit, 5 do not
                 x = torch.tensor(tokens)
@@ -146,6 +152,38 @@ def test_a_forward_sums_twice_a_layer_in_alternating_phases(tiny_dirs):
     finally:
         dist.destroy_process_group()
     assert peer.calls == [(0, 2), (1, 2)] * layers + [(0, 1), (1, 1)] * layers
+
+
+def test_sums_fused_with_their_norms_decode_as_unfused(tiny_dirs):
+    """With fused norms (DUET_TP_FUSED_NORMS=1: each sum, its residual add and the next norm in
+    one kernel, peer_sum_norm), a model takes its blocks' norms from Sums.add_norm for the
+    forwards the peer sums hold, in phases 0 then 1 a layer, and decodes what it decodes
+    unfused; a prefill chunk larger than the peer sums goes unfused."""
+    import torch.distributed as dist
+
+    path = tiny_dirs["llama"][0]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 2
+    prompts = [PROMPTS[0][:40], PROMPTS[1]]
+    plain = engine(path, 1)
+    want = tokens(run_batch(plain, params, [0, 1], prompts))
+    fused = engine(path, 1)
+    layers = fused.model.args.num_layers
+    peer = RecordedPeerSums(capacity=8 * fused.model.args.hidden_size)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fused.model.sums = Sums(dist.group.WORLD, peer, fused_norms=True)
+        for layer in fused.model.model.layers:
+            layer.sums = fused.model.sums
+        got = tokens(run_batch(fused, params, [0, 1], prompts))
+    finally:
+        dist.destroy_process_group()
+    assert got == want
+    norms = [c for c in peer.calls if str(c[0]).startswith("norm")]
+    assert len(norms) >= 2 * layers and all(rows <= 8 for _, rows in peer.calls)
+    phases = [c[0] for c in norms]
+    assert phases == ["norm 0", "norm 1"] * (len(phases) // 2)
+    # The 40-token prompt's prefill is larger than 8 rows: summed by the group, unfused.
+    assert not any(rows == 40 for _, rows in peer.calls)
 
 
 def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
