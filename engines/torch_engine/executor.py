@@ -61,24 +61,27 @@ class TorchExecutor:
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._last_read = None  # the same picks on their way to the host (ReadBack.start)
         self._deferred: Launched | None = None  # a step whose draw waits for its masks
+        self._told = False  # this step's plan went to the other ranks (tensor parallelism)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
         self._sampler = decoder.sampler if decoder is not None and decoder.head else Sampler()
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
+        self._told = False
         try:
             return self._launch(plan)
-        except RuntimeError as exc:  # under tensor parallelism, gloo's when a rank is gone
+        except Exception as exc:  # under tensor parallelism: gloo's when a rank is gone, or ours
             if self.ranks is None:
                 raise
-            raise self.ranks.failed(exc) from exc
+            raise self.ranks.failed(exc, self._told) from exc
 
     def _launch(self, plan: StepPlan):
         self._settle()  # the last step's picks, which this step's PENDING rows read
         self._processor.release(plan.released)
         if self.ranks is not None:
             self.ranks.step(plan.prefill, plan.decode, share=self.pipelined)
+            self._told = True
         with torch.inference_mode():
             logits, greedy, due = [], [], []
             prompt_scores: dict = {}

@@ -149,6 +149,11 @@ if triton is not None:
                     tl.store(src, tl.full([BLOCK], _EMPTY, tl.int16), mask=ok)
 
 
+def _fits(n: int, capacity: int) -> None:
+    if n > capacity:  # it would write past a rank's slot, into the next rank's
+        raise ValueError(f"a peer sum of {n} elements is past its buffers' {capacity}")
+
+
 @torch.library.custom_op("duet::peer_sum", mutates_args=())
 def peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
              phase: int) -> torch.Tensor:
@@ -159,6 +164,7 @@ def peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
     flat = x.contiguous().view(-1)
     out = torch.empty_like(flat)
     n, world = flat.numel(), ptrs.numel()
+    _fits(n, capacity)
     grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
     _peer_sum_kernel[grid](flat.view(torch.int16), out, ptrs, rank, n, capacity,
                            phase * world * capacity, WORLD=world,
@@ -183,6 +189,7 @@ def peer_sum_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     res = residual.contiguous().view(-1, hidden)
     new, normed = torch.empty_like(res), torch.empty_like(res)
     rows, world = flat.shape[0], ptrs.numel()
+    _fits(flat.numel(), capacity)
     _peer_sum_norm_kernel[(min(rows, MAX_PROGRAMS),)](
         flat.view(torch.int16), res, weight, new, normed, ptrs, rank, rows, hidden, eps,
         capacity, phase * world * capacity, WORLD=world, BF16=x.dtype == torch.bfloat16,
@@ -207,6 +214,7 @@ def peer_gather(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int) -
     world = ptrs.numel()
     out = torch.empty(rows, world * part if rank == 0 else 0, dtype=x.dtype, device=x.device)
     n = x.numel()
+    _fits(n, capacity)
     grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
     _peer_gather_kernel[grid](x.view(torch.int16), out.view(torch.int16), ptrs, rank, n, part,
                               capacity, WORLD=world, BLOCK=BLOCK)

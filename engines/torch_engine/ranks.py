@@ -11,8 +11,10 @@ the steps (scoring) are told to the ranks the same way (model.mirror), all from 
 thread, so every rank meets the collectives in one order.
 
 A rank process that ends while the engine runs takes the engine's process with it
-(`on_lost`): its requests end with an error there and the server loads the model anew. Ranks
-watch for rank 0's end in turn (their socket closes, their parent changes)."""
+(`on_lost`): its requests end with an error there and the server loads the model anew. So does
+a step that fails on rank 0 after the other ranks were told it: they run it whole and wait in
+its collectives for a rank 0 that will not come, or meet its next step's there, out of step.
+Ranks watch for rank 0's end in turn (their socket closes, their parent changes)."""
 
 from __future__ import annotations
 
@@ -108,10 +110,11 @@ def _project_root() -> str:
 class RankGroup:
     """Rank 0's side: starts ranks 1..N-1, tells them each step, reads what they report."""
 
-    def __init__(self, spec: RankSpec, on_lost: Callable[[int, int | None], None] | None = None):
+    def __init__(self, spec: RankSpec, on_lost: Callable[[str], None] | None = None):
         """spec: rank 0's own (rank 0, the group's size); every other rank gets it with its
-        rank. on_lost(rank, exit code): a rank's process ended while the engine runs (by
-        default the engine's process exits: see the module's note)."""
+        rank. on_lost(why): the ranks can no longer work together, a rank's process having
+        ended or a step having failed on rank 0 alone (by default the engine's process exits:
+        see the module's note)."""
         self.world = spec.world
         self.on_lost = on_lost or _exit_engine_process
         self._closing = False
@@ -210,14 +213,20 @@ class RankGroup:
                            self._reports.get(rank, {}).get("peak", 0))
                 for rank, proc in enumerate(self._procs, start=1)]
 
-    def failed(self, exc: BaseException) -> BaseException:
-        """What a step that failed among the ranks ends its requests with: a lost rank is the
-        engine's process lost (a 503; the server loads it anew)."""
+    def failed(self, exc: BaseException, told: bool) -> BaseException:
+        """What a step that failed ends its requests with; told: whether the other ranks were
+        told it. A lost rank is the engine's process lost (a 503; the server loads it anew),
+        and so is a step told and failed on rank 0 (on_lost ends the process)."""
         gone = [rank for rank, proc in enumerate(self._procs, start=1) if _ended(proc)]
-        if not gone:
+        if gone:
+            return EngineProcessError(f"tensor-parallel rank {gone[0]} of the engine ended "
+                                      f"(exit code {self._procs[gone[0] - 1].returncode})")
+        if not told:
             return exc
-        return EngineProcessError(f"tensor-parallel rank {gone[0]} of the engine ended "
-                                  f"(exit code {self._procs[gone[0] - 1].returncode})")
+        self.on_lost(f"a step failed on rank 0 after the other ranks began it ({exc}): the "
+                     "ranks are out of step")
+        return EngineProcessError(f"the engine's tensor-parallel ranks are out of step after "
+                                  f"a step failed: {exc}")
 
     @property
     def pids(self) -> list[int]:
@@ -235,7 +244,7 @@ class RankGroup:
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if not self._closing:
-            self.on_lost(rank, code)
+            self.on_lost(f"tensor-parallel rank {rank} ended (exit code {code})")
 
     def close(self) -> None:
         self._closing = True
@@ -270,9 +279,10 @@ def _ended(proc: subprocess.Popen, wait_s: float = 2.0) -> bool:
     return True
 
 
-def _exit_engine_process(rank: int, code: int | None) -> None:
-    """A rank is gone and the group's next collective would wait for it forever: end this
-    process (the engine's own, which the server watches) and the other ranks with it."""
-    log.error("tensor-parallel rank %d ended (exit code %s): the engine stops", rank, code)
+def _exit_engine_process(why: str) -> None:
+    """The ranks cannot meet in their collectives again (a rank is gone, or they are out of
+    step): end this process (the engine's own, which the server watches) and the other ranks
+    with it."""
+    log.error("%s: the engine stops", why)
     logging.shutdown()
     os._exit(70)

@@ -208,6 +208,13 @@ def check_peer_sum(device: str = "cpu") -> None:
             assert torch.equal(rest[base:base + n], sent0)
             rest[base:base + n] = ps.EMPTY
             assert (rest == ps.EMPTY).all(), "rank 1's buffer is not empty after its sum"
+            try:  # more than a slot holds: refused before anything is written
+                torch.ops.duet.peer_sum(torch.zeros(capacity + 1, dtype=dtype, device=device),
+                                        ptrs, 0, capacity, phase)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a sum past the buffers' capacity went ahead")
 
 
 def check_peer_sum_norm(device: str = "cpu") -> None:

@@ -186,6 +186,38 @@ def test_sums_fused_with_their_norms_decode_as_unfused(tiny_dirs):
     assert not any(rows == 40 for _, rows in peer.calls)
 
 
+def test_a_step_failing_on_rank_0_alone_stops_the_engine(tiny_dirs, monkeypatch):
+    """A step that fails on rank 0 after the other ranks were told it leaves them in its
+    collectives, out of step with rank 0 (whose next step's sums would meet this one's): the
+    request ends with an engine-process error and the engine stops (on_lost: by default its
+    process exits and the server loads the model anew) instead of going on out of step."""
+    from engines.runtime.runtime import Runtime, Submission
+
+    eng = engine(tiny_dirs["llama"][0], 2)
+    stopped, events = [], []
+    eng.ranks.on_lost = stopped.append
+    forward, calls = eng.model.forward_paged, []
+
+    def failing(batch, kv):
+        calls.append(1)
+        if len(calls) == 3:  # a decode step, the ranks told it
+            raise RuntimeError("injected")
+        return forward(batch, kv)
+
+    monkeypatch.setattr(eng.model, "forward_paged", failing)
+    try:
+        runtime = Runtime(eng, max_batch=2, threaded_output=False)
+        runtime.add(Submission([5, 6, 7], PARAMS[0], events.append))
+        while runtime.has_work:
+            runtime.step()
+    finally:
+        for pid in eng.ranks.pids:  # rank 1 waits in the failed step's collective
+            os.kill(pid, signal.SIGKILL)
+        eng.close()
+    assert len(calls) == 3 and isinstance(events[-1], EngineProcessError), events[-1]
+    assert "out of step" in str(events[-1]) and "out of step" in stopped[0]
+
+
 def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
     args = ModelArgs.from_hf(read_config(tiny_dirs["llama"][0]))  # 4 heads, 2 KV heads
     check_splits(args, 2)
