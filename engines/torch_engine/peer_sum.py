@@ -48,39 +48,51 @@ if triton is not None:
     _EMPTY = tl.constexpr(EMPTY)
 
     @triton.jit
+    def _send(X, Ptrs, offs, ok, rank, slot_stride, phase_offset, WORLD: tl.constexpr):
+        """This rank's elements X[offs] into its slot of every rank's buffer."""
+        bits = tl.load(X + offs, mask=ok, other=0)
+        bits = tl.where(bits == _EMPTY, 0, bits)  # a negative zero goes as a zero
+        for r in tl.static_range(WORLD):
+            dst = tl.load(Ptrs + r).to(tl.pointer_type(tl.int16))
+            tl.store(dst + phase_offset + rank * slot_stride + offs, bits, mask=ok)
+
+    @triton.jit
+    def _arrived(src, ok):
+        """The elements at src once every one has arrived; their places emptied."""
+        bits = tl.load(src, mask=ok, other=0, volatile=True)
+        while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
+            bits = tl.load(src, mask=ok, other=0, volatile=True)
+        tl.store(src, tl.full(bits.shape, _EMPTY, tl.int16), mask=ok)
+        return bits
+
+    @triton.jit
+    def _received_sum(own, offs, ok, slot_stride, phase_offset, WORLD: tl.constexpr,
+                      BF16: tl.constexpr):
+        """Every rank's elements at offs of this rank's buffer, added up in rank order in
+        float32 as they arrive."""
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            bits = _arrived(own + phase_offset + r * slot_stride + offs, ok)
+            if BF16:
+                acc += bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+            else:
+                acc += bits.to(tl.float16, bitcast=True).to(tl.float32)
+        return acc
+
+    @triton.jit
     def _peer_sum_kernel(X, Out, Ptrs, rank, n, slot_stride, phase_offset,
                          WORLD: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         chunks = tl.cdiv(n, BLOCK)
-        # Send: this rank's part into its slot of every rank's buffer.
-        for chunk in range(pid, chunks, programs):
+        for chunk in range(pid, chunks, programs):  # every chunk sent before any is awaited
             offs = chunk * BLOCK + tl.arange(0, BLOCK)
-            ok = offs < n
-            bits = tl.load(X + offs, mask=ok, other=0)
-            bits = tl.where(bits == _EMPTY, 0, bits)  # a negative zero goes as a zero
-            for r in tl.static_range(WORLD):
-                dst = tl.load(Ptrs + r).to(tl.pointer_type(tl.int16))
-                tl.store(dst + phase_offset + rank * slot_stride + offs, bits, mask=ok)
-        # Receive: wait for each slot's elements, add them up in rank order, empty the slots.
+            _send(X, Ptrs, offs, offs < n, rank, slot_stride, phase_offset, WORLD)
         own = tl.load(Ptrs + rank).to(tl.pointer_type(tl.int16))
         for chunk in range(pid, chunks, programs):
             offs = chunk * BLOCK + tl.arange(0, BLOCK)
             ok = offs < n
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for r in tl.static_range(WORLD):
-                src = own + phase_offset + r * slot_stride + offs
-                bits = tl.load(src, mask=ok, other=0, volatile=True)
-                while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
-                    bits = tl.load(src, mask=ok, other=0, volatile=True)
-                if BF16:
-                    acc += bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-                else:
-                    acc += bits.to(tl.float16, bitcast=True).to(tl.float32)
-                tl.store(src, tl.full([BLOCK], _EMPTY, tl.int16), mask=ok)
-            if BF16:
-                tl.store(Out + offs, acc.to(tl.bfloat16), mask=ok)
-            else:
-                tl.store(Out + offs, acc.to(tl.float16), mask=ok)
+            acc = _received_sum(own, offs, ok, slot_stride, phase_offset, WORLD, BF16)
+            tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _peer_sum_norm_kernel(X, Res, W, NewRes, Normed, Ptrs, rank, rows, hidden, eps,
@@ -92,25 +104,11 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_H)
         ok = cols < hidden
         for row in range(pid, rows, programs):
-            bits = tl.load(X + row * hidden + cols, mask=ok, other=0)
-            bits = tl.where(bits == _EMPTY, 0, bits)
-            for r in tl.static_range(WORLD):
-                dst = tl.load(Ptrs + r).to(tl.pointer_type(tl.int16))
-                tl.store(dst + phase_offset + rank * slot_stride + row * hidden + cols, bits,
-                         mask=ok)
+            _send(X, Ptrs, row * hidden + cols, ok, rank, slot_stride, phase_offset, WORLD)
         own = tl.load(Ptrs + rank).to(tl.pointer_type(tl.int16))
         for row in range(pid, rows, programs):
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for r in tl.static_range(WORLD):
-                src = own + phase_offset + r * slot_stride + row * hidden + cols
-                bits = tl.load(src, mask=ok, other=0, volatile=True)
-                while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
-                    bits = tl.load(src, mask=ok, other=0, volatile=True)
-                if BF16:
-                    acc += bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-                else:
-                    acc += bits.to(tl.float16, bitcast=True).to(tl.float32)
-                tl.store(src, tl.full([BLOCK_H], _EMPTY, tl.int16), mask=ok)
+            acc = _received_sum(own, row * hidden + cols, ok, slot_stride, phase_offset, WORLD,
+                                BF16)
             # Rounded where the unfused step rounds: the sum, then the residual stream.
             res = tl.load(Res + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
             new = (res + acc.to(Res.dtype.element_ty).to(tl.float32)).to(Res.dtype.element_ty)
@@ -141,12 +139,8 @@ if triton is not None:
                 out = Out + (offs // part) * (WORLD * part) + offs % part
                 tl.store(out, tl.load(X + offs, mask=ok, other=0), mask=ok)
                 for r in tl.static_range(1, WORLD):
-                    src = first + r * slot_stride + offs
-                    bits = tl.load(src, mask=ok, other=0, volatile=True)
-                    while tl.max((bits == _EMPTY).to(tl.int32), axis=0) > 0:
-                        bits = tl.load(src, mask=ok, other=0, volatile=True)
-                    tl.store(out + r * part, bits, mask=ok)
-                    tl.store(src, tl.full([BLOCK], _EMPTY, tl.int16), mask=ok)
+                    tl.store(out + r * part, _arrived(first + r * slot_stride + offs, ok),
+                             mask=ok)
 
 
 def _fits(n: int, capacity: int) -> None:

@@ -52,3 +52,45 @@ def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
     with pytest.raises(RuntimeError, match="Triton"):
         model.use_kernels(attention=False, activation=True)
     model.use_kernels(attention=False)  # the PyTorch-op path needs nothing
+
+
+PEER_KERNELS = {  # signatures as the ops launch them (bfloat16, two ranks)
+    "_peer_sum_kernel": ({"X": "*i16", "Out": "*bf16", "Ptrs": "*i64", "rank": "i32", "n": "i32",
+                          "slot_stride": "i32", "phase_offset": "i32"},
+                         {"WORLD": 2, "BF16": True, "BLOCK": 1024}),
+    "_peer_sum_norm_kernel": ({"X": "*i16", "Res": "*bf16", "W": "*bf16", "NewRes": "*bf16",
+                               "Normed": "*bf16", "Ptrs": "*i64", "rank": "i32", "rows": "i32",
+                               "hidden": "i32", "eps": "fp32", "slot_stride": "i32",
+                               "phase_offset": "i32"},
+                              {"WORLD": 2, "BF16": True, "BLOCK_H": 4096}),
+    "_peer_gather_kernel": ({"X": "*i16", "Out": "*i16", "Ptrs": "*i64", "rank": "i32",
+                             "n": "i32", "part": "i32", "slot_stride": "i32"},
+                            {"WORLD": 2, "BLOCK": 1024}),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(PEER_KERNELS))
+def test_peer_kernels_compile_for_hopper(name):
+    """The tensor-parallel peer kernels compiled as a GPU would compile them (for an H100's
+    sm_90, with the ptxas Triton ships), here on the CPU: the interpreter runs their Python,
+    not Triton's compiler. Their waits must be volatile loads, which see the other GPUs'
+    writes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engines.torch_engine import peer_sum
+
+    fn = getattr(peer_sum, name)
+    signature, constants = PEER_KERNELS[name]
+    source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constants}},
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
+            pytest.skip(f"no ptxas here: {exc}")
+        raise
+    assert "ld.volatile.global" in compiled.asm["ptx"]
+    assert compiled.asm["cubin"]
