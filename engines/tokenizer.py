@@ -76,9 +76,12 @@ class ChatTokenizer:
             if self._grammar is None:
                 import llguidance.hf
 
+                from .grammar import vocabulary_slices
+
                 eos = sorted(self.eos_token_ids)
                 self._grammar = llguidance.hf.from_tokenizer(
-                    self._tok, eos_token=eos[0] if len(eos) == 1 else eos)
+                    self._tok, eos_token=eos[0] if len(eos) == 1 else eos,
+                    slices=vocabulary_slices())
             return self._grammar
 
     def __setstate__(self, state: dict) -> None:

@@ -248,3 +248,29 @@ def test_a_grammar_is_made_beside_the_steps_and_a_stopped_one_never_joins(tiny_d
     assert isinstance(events["json"][-1], RequestStats)
     jsonschema.validate(json.loads(text_of(engine, steps)), SCHEMA)
     runtime.close()
+
+
+def test_the_vocabulary_s_finer_slices_give_llguidance_s_own_masks(tiny_dirs):
+    """The engines' vocabulary is built with finer string slices than llguidance's default
+    (engines/grammar.vocabulary_slices: cheaper masks for length-bounded strings); slices only
+    change how a mask is computed: along a document in and out of bounded and unbounded
+    strings (an escaped quote, the bound reached), both give the same masks."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
+    ours = tok.grammar_vocabulary()
+    default = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tiny_dirs["llama"][0]),
+                                           eos_token=min(tok.eos_token_ids))
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 6}, "b": {"type": "string"},
+        "c": {"type": "string", "minLength": 2, "maxLength": 12}},
+        "required": ["a", "b", "c"], "additionalProperties": False}
+    grammar = json_schema_grammar(schema)
+    ids = tok.encode('{"a": "abcdef", "b": "say \\"hi\\" to all of them", "c": "xy z"}')
+    mine, theirs = LLMatcher(ours, grammar), LLMatcher(default, grammar)
+    for t in ids:
+        assert np.array_equal(mine.compute_bitmask(), theirs.compute_bitmask())
+        assert mine.consume_token(t) and theirs.consume_token(t)
+    assert mine.is_accepting()
