@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,15 +64,34 @@ def rank_weight_bytes(model_id: str, ranks: int) -> int:
     return 2 * (layers * per_layer // ranks + cfg["vocab_size"] * h)
 
 
-def run_config(args, model: str, ranks: int, levels: list[int]) -> dict:
+def parse_config(config: str) -> tuple[str, int, dict[str, str]]:
+    """MODEL@RANKS[+NAME=VALUE...]: a model, its ranks, and environment variables for its
+    server (an A/B of a switch such as DUET_TP_FUSED_NORMS=1 in one run)."""
+    head, *env = config.split("+")
+    model, _, ranks = head.partition("@")
+    return model, int(ranks or 1), dict(e.split("=", 1) for e in env)
+
+
+def run_config(args, config: str, levels: list[int]) -> dict:
+    model, ranks, env = parse_config(config)
     started = time.time()
     serve = argparse.Namespace(**{**vars(args), "model": model,
                                   "serve_args": ["--tensor-parallel", str(ranks), *args.serve_args],
                                   "engine": "torch",
-                                  "server_log": f"{args.server_log}-{model}@{ranks}.log"})
-    proc, url = start_server(serve)
+                                  "server_log": f"{args.server_log}-{config}.log"})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc, url = start_server(serve)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     ready_s = time.time() - started
-    out = {"model": model, "ranks": ranks, "ready_s": round(ready_s, 1), "levels": {}}
+    out = {"config": config, "model": model, "ranks": ranks, "env": env,
+           "ready_s": round(ready_s, 1), "levels": {}}
     try:
         import httpx
 
@@ -91,7 +111,7 @@ def run_config(args, model: str, ranks: int, levels: list[int]) -> dict:
                                     r["step_ms_at_peak_batch"] or 0 for r in runs),
                                 "engine_step_ms_at_peak_batch": statistics.median(
                                     r["engine_step_ms_at_peak_batch"] or 0 for r in runs)}
-            print(f"{model}@{ranks} {n:>3} clients: {statistics.median(tok_s):,.0f} tok/s "
+            print(f"{config} {n:>3} clients: {statistics.median(tok_s):,.0f} tok/s "
                   f"({', '.join(f'{t:,.0f}' for t in tok_s)})", flush=True)
     finally:
         proc.terminate()
@@ -103,7 +123,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="dummy-llama-3.1-8b@1,dummy-llama-3.1-8b@2",
-                        help="MODEL@RANKS, comma-separated, run in this order")
+                        help="MODEL@RANKS[+NAME=VALUE...], comma-separated, run in this order "
+                             "(NAME=VALUE: an environment variable of that server)")
     parser.add_argument("--clients", default="1,64")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -121,11 +142,14 @@ def main() -> int:
     name, bandwidth = gpu()
     results = []
     for config in args.configs.split(","):
-        model, _, ranks = config.partition("@")
-        results.append(run_config(args, model, int(ranks or 1), levels))
-        floor = bandwidth and rank_weight_bytes(model, int(ranks or 1)) / bandwidth
+        results.append(run_config(args, config, levels))
+        floor = bandwidth and rank_weight_bytes(results[-1]["model"],
+                                                results[-1]["ranks"]) / bandwidth
         results[-1]["batch1_floor_tok_s"] = round(1 / floor, 1) if floor else None
-    one = {r["model"]: r for r in results if r["ranks"] == 1}
+    one: dict[str, dict] = {}
+    for r in results:  # each model's first run on one GPU is the baseline
+        if r["ranks"] == 1:
+            one.setdefault(r["model"], r)
     print(f"\n{name}, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, "
           f"medians of {args.repeats}")
     print(f"{'configuration':<28} {'ready s':>8} " + " ".join(f"{n:>10}" for n in levels)
@@ -137,7 +161,7 @@ def main() -> int:
         r["vs_one_gpu"] = {n: round(r["levels"][n]["aggregate_tok_s"]
                                     / base["levels"][n]["aggregate_tok_s"], 3)
                            for n in levels} if base else None
-        print(f"{r['model'] + '@' + str(r['ranks']):<28} {r['ready_s']:>8} "
+        print(f"{r['config']:<28} {r['ready_s']:>8} "
               + " ".join(f"{r['levels'][n]['aggregate_tok_s']:>10,.0f}" for n in levels)
               + f"   {ratios:<15} {r['batch1_floor_tok_s'] or '-'}")
     result = {"date": dt.date.today().isoformat(), "device": name,
