@@ -125,13 +125,10 @@ if triton is not None:
         pid, programs = tl.program_id(0), tl.num_programs(0)
         chunks = tl.cdiv(n, BLOCK)
         first = tl.load(Ptrs).to(tl.pointer_type(tl.int16))  # rank 0's buffer
-        if rank != 0:  # send this rank's columns to rank 0, and go on
+        if rank != 0:  # send this rank's columns to rank 0 (the first of a world of one)
             for chunk in range(pid, chunks, programs):
                 offs = chunk * BLOCK + tl.arange(0, BLOCK)
-                ok = offs < n
-                bits = tl.load(X + offs, mask=ok, other=0)
-                bits = tl.where(bits == _EMPTY, 0, bits)
-                tl.store(first + rank * slot_stride + offs, bits, mask=ok)
+                _send(X, Ptrs, offs, offs < n, rank, slot_stride, 0, 1)
         else:  # lay rank 0's own columns and each other rank's, as they arrive, side by side
             for chunk in range(pid, chunks, programs):
                 offs = chunk * BLOCK + tl.arange(0, BLOCK)
