@@ -1,6 +1,6 @@
-"""The Triton kernels of the CUDA path (decode attention, SiLU * up, the nucleus border): on
-this CPU through Triton's interpreter, on a GPU (where there is one) compiled, in bfloat16
-too."""
+"""The Triton kernels of the CUDA path (decode attention, SiLU * up, the nucleus border, the
+tensor-parallel peer kernels): on this CPU through Triton's interpreter and compiled for an
+H100 (sm_90) without running, on a GPU (where there is one) compiled and run, in bfloat16 too."""
 
 import importlib.util
 import os
@@ -42,6 +42,7 @@ def test_kernel_on_cuda():
 
 def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
     from engines.torch_engine import decode_attention
+    from engines.torch_engine import silu_mul  # noqa: F401  (imported whole before Triton hides)
     from engines.torch_engine.loader import load_model
 
     model = load_model(tiny_dirs["llama"][0], torch.float32, "cpu")
@@ -54,43 +55,63 @@ def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
     model.use_kernels(attention=False)  # the PyTorch-op path needs nothing
 
 
-PEER_KERNELS = {  # signatures as the ops launch them (bfloat16, two ranks)
-    "_peer_sum_kernel": ({"X": "*i16", "Out": "*bf16", "Ptrs": "*i64", "rank": "i32", "n": "i32",
-                          "slot_stride": "i32", "phase_offset": "i32"},
-                         {"WORLD": 2, "BF16": True, "BLOCK": 1024}),
-    "_peer_sum_norm_kernel": ({"X": "*i16", "Res": "*bf16", "W": "*bf16", "NewRes": "*bf16",
-                               "Normed": "*bf16", "Ptrs": "*i64", "rank": "i32", "rows": "i32",
-                               "hidden": "i32", "eps": "fp32", "slot_stride": "i32",
-                               "phase_offset": "i32"},
-                              {"WORLD": 2, "BF16": True, "BLOCK_H": 4096}),
-    "_peer_gather_kernel": ({"X": "*i16", "Out": "*i16", "Ptrs": "*i64", "rank": "i32",
-                             "n": "i32", "part": "i32", "slot_stride": "i32"},
-                            {"WORLD": 2, "BLOCK": 1024}),
+PTR16 = "*bf16"
+CUDA_KERNELS = {  # module, kernel: signature as the ops launch it (bfloat16), constants[, options]
+    ("peer_sum", "_peer_sum_kernel"): (
+        {"X": "*i16", "Out": PTR16, "Ptrs": "*i64", "rank": "i32", "n": "i32",
+         "slot_stride": "i32", "phase_offset": "i32"},
+        {"WORLD": 2, "BF16": True, "BLOCK": 1024}),
+    ("peer_sum", "_peer_sum_norm_kernel"): (
+        {"X": "*i16", "Res": PTR16, "W": PTR16, "NewRes": PTR16, "Normed": PTR16, "Ptrs": "*i64",
+         "rank": "i32", "rows": "i32", "hidden": "i32", "eps": "fp32", "slot_stride": "i32",
+         "phase_offset": "i32"},
+        {"WORLD": 2, "BF16": True, "BLOCK_H": 4096}, {"num_warps": 8}),
+    ("peer_sum", "_peer_gather_kernel"): (
+        {"X": "*i16", "Out": "*i16", "Ptrs": "*i64", "rank": "i32", "n": "i32", "part": "i32",
+         "slot_stride": "i32"},
+        {"WORLD": 2, "BLOCK": 1024}),
+    ("decode_attention", "_split_kernel"): (
+        {"Q": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64", "Pos": "*i64", "Acc": "*fp32",
+         "M": "*fp32", "L": "*fp32", **{f"stride_{n}": "i32" for n in (
+             "qb", "qh", "ks", "kh", "vs", "vh", "tb", "pos")},
+         "kv_len": "i32", "window": "i32", "scale": "fp32"},
+        {"REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16, "SPLIT_LEN": 64, "N_SPLITS": 8,
+         "PRECISION": "tf32"}),
+    ("decode_attention", "_merge_kernel"): (
+        {"Acc": "*fp32", "M": "*fp32", "L": "*fp32", "Out": PTR16},
+        {"D": 128, "N_SPLITS": 8, "SPLITS_PAD": 8}),
+    ("silu_mul", "_silu_mul_kernel"): (
+        {"X": PTR16, "Out": PTR16, "hidden": "i32"}, {"BLOCK": 1024}),
+    ("nucleus_kernel", "_borders_kernel"): (
+        {"Probs": "*fp32", "stride": "i32", "Floats": "*fp32", "Ints": "*i64", "Out": "*fp32",
+         "V": "i32"}, {"BLOCK": 4096}, {"num_warps": 16}),
 }
 
 
 @needs_triton
-@pytest.mark.parametrize("name", sorted(PEER_KERNELS))
-def test_peer_kernels_compile_for_hopper(name):
-    """The tensor-parallel peer kernels compiled as a GPU would compile them (for an H100's
+@pytest.mark.parametrize("module,name", sorted(CUDA_KERNELS))
+def test_cuda_kernels_compile_for_hopper(module, name):
+    """The CUDA path's Triton kernels compiled as a GPU would compile them (for an H100's
     sm_90, with the ptxas Triton ships), here on the CPU: the interpreter runs their Python,
-    not Triton's compiler. Their waits must be volatile loads, which see the other GPUs'
-    writes."""
+    not Triton's compiler. The peer kernels' waits must be volatile loads, which see the other
+    GPUs' writes."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engines.torch_engine import peer_sum
-
-    fn = getattr(peer_sum, name)
-    signature, constants = PEER_KERNELS[name]
+    fn = getattr(importlib.import_module(f"engines.torch_engine.{module}"), name)
+    signature, constants, *options = CUDA_KERNELS[(module, name)]
     source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constants}},
                        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options=options[0] if options else None)
     except RuntimeError as exc:
         if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
             pytest.skip(f"no ptxas here: {exc}")
         raise
-    assert "ld.volatile.global" in compiled.asm["ptx"]
     assert compiled.asm["cubin"]
+    if module == "peer_sum":
+        assert "ld.volatile.global" in compiled.asm["ptx"]
