@@ -16,6 +16,7 @@ model's tokenizer (bench_features.py's dummy_with_real_tokenizer makes one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -158,16 +159,13 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
                for i in range(b)]
     for p in prompts:
         runtime.add(Submission(p, params, lambda e: None))
-    profiler = None
-    if args.prefill_kernels:
-        from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile
 
-        profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        profiler.__enter__()
-    while any(live.out.n == 0 for live in runtime._live.values()):
-        runtime.step()
+    with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+          if args.prefill_kernels else contextlib.nullcontext()) as profiler:
+        while any(live.out.n == 0 for live in runtime._live.values()):
+            runtime.step()
     if profiler is not None:
-        profiler.__exit__(None, None, None)
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             print(f"prefill B={b}, by {key}:\n" + profiler.key_averages().table(
                 sort_by=key, row_limit=12, max_name_column_width=60), flush=True)

@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .decode_attention import triton
 
@@ -218,52 +219,55 @@ def _(x, ptrs, rank, capacity):
 
 
 @dataclass(frozen=True)
-class PeerSum:
-    """One rank's handle on the ranks' receive buffers."""
+class PeerBuffers:
+    """One rank's view of the ranks' buffers (symmetric memory)."""
 
     ptrs: torch.Tensor  # int64 [world]: each rank's buffer, as this rank addresses it
-    rank: int
-    capacity: int  # elements a sum may have
-    dtype: torch.dtype
     # This rank's buffer and its mapping: held while the ranks may write to it.
     buffer: torch.Tensor
     handle: object
+
+
+@dataclass(frozen=True)
+class PeerSum:
+    """One rank's handle on the ranks' receive buffers."""
+
+    buffers: PeerBuffers
+    rank: int
+    capacity: int  # elements a sum may have
+    dtype: torch.dtype
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.numel() <= self.capacity
 
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
-        return torch.ops.duet.peer_sum(x, self.ptrs, self.rank, self.capacity, phase)
+        return torch.ops.duet.peer_sum(x, self.buffers.ptrs, self.rank, self.capacity, phase)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float, phase: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.duet.peer_sum_norm(x, residual, weight, eps, self.ptrs, self.rank,
-                                            self.capacity, phase)
+        return torch.ops.duet.peer_sum_norm(x, residual, weight, eps, self.buffers.ptrs,
+                                            self.rank, self.capacity, phase)
 
 
 @dataclass(frozen=True)
 class PeerGather:
     """One rank's handle on rank 0's gather buffer."""
 
-    ptrs: torch.Tensor
+    buffers: PeerBuffers
     rank: int
     capacity: int  # elements a rank's part may have
-    buffer: torch.Tensor
-    handle: object
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.duet.peer_gather(x, self.ptrs, self.rank, self.capacity)
+        return torch.ops.duet.peer_gather(x, self.buffers.ptrs, self.rank, self.capacity)
 
 
 def buffer_elements(world: int, capacity: int) -> int:
     return PHASES * world * capacity
 
 
-def _mapped(group, device: str, elements: int, dtype: torch.dtype):
-    """Collective: (this rank's buffer of `elements` int16, emptied; its mapping; every rank's
-    buffer's address) where every rank can map one, else None on every rank."""
-    import torch.distributed as dist
-
+def _mapped(group, device: str, elements: int, dtype: torch.dtype) -> PeerBuffers | None:
+    """Collective: every rank's buffer of `elements` int16, emptied, where every rank can map
+    one, else None on every rank."""
     buffer = None
     wanted = (triton is not None and device.startswith("cuda")
               and dtype in (torch.bfloat16, torch.float16)
@@ -281,8 +285,8 @@ def _mapped(group, device: str, elements: int, dtype: torch.dtype):
     buffer.fill_(EMPTY)
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every buffer empty before any rank writes
-    return buffer, handle, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
-                                        device=device)
+    ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    return PeerBuffers(ptrs, buffer, handle)
 
 
 def create(group, device: str, capacity: int, dtype: torch.dtype) -> PeerSum | None:
@@ -290,14 +294,11 @@ def create(group, device: str, capacity: int, dtype: torch.dtype) -> PeerSum | N
     for sums of up to `capacity` elements, checked on a known sum; None on every rank where
     any rank cannot (no Triton, no symmetric memory, not a 16-bit float, DUET_TP_ALL_REDUCE
     set to nccl), and the process group's all-reduce serves instead."""
-    import torch.distributed as dist
-
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mapped = _mapped(group, device, buffer_elements(world, capacity), dtype)
-    if mapped is None:
+    buffers = _mapped(group, device, buffer_elements(world, capacity), dtype)
+    if buffers is None:
         return None
-    buffer, handle, ptrs = mapped
-    peer = PeerSum(ptrs, rank, capacity, dtype, buffer, handle)
+    peer = PeerSum(buffers, rank, capacity, dtype)
     # Rank r adds r + 1 everywhere, and a negative zero stays a zero; the phases alternate
     # and end on the last, as a forward's do.
     right = True
@@ -315,13 +316,11 @@ def create_gather(group, device: str, rows: int, part: int,
                   dtype: torch.dtype) -> PeerGather | None:
     """Collective, as create: rank 0's buffer for gathering [rows, part] from every rank,
     checked on a known gather; None on every rank where any rank cannot."""
-    import torch.distributed as dist
-
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mapped = _mapped(group, device, world * rows * part, dtype)
-    if mapped is None:
+    buffers = _mapped(group, device, world * rows * part, dtype)
+    if buffers is None:
         return None
-    gather = PeerGather(mapped[2], rank, rows * part, mapped[0], mapped[1])
+    gather = PeerGather(buffers, rank, rows * part)
     # Rank r's part is r + 1 (a negative zero's for rank 1: sent as a zero, not waited for).
     value = -0.0 if rank == 1 else rank + 1.0
     got = gather(torch.full((2, 3), value, dtype=dtype, device=device))
@@ -339,8 +338,6 @@ def create_gather(group, device: str, rows: int, part: int,
 
 def _everyone(ok: bool, device: str, group) -> bool:
     """Whether ok holds on every rank (each rank gets the same answer)."""
-    import torch.distributed as dist
-
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..base import UnsupportedModel
@@ -62,8 +63,6 @@ class Sums:
         # Eagerly, in place: the functional collective's tensor subclass and bookkeeping cost
         # the host about 0.3 ms a sum (an eager prefill forward of the 8B shape took twice as
         # long over two GPUs as on one, bound by the host). x is the projection's own output.
-        import torch.distributed as dist
-
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -73,11 +72,9 @@ class Sums:
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm,
                  phase: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x summed over the ranks, norm of it); norm: a model.RMSNorm."""
-        if self.fuses_norms(x):
-            return self.peer.add_norm(x, residual, norm.weight, norm.eps, phase)
-        new = residual + self(x, phase)
-        return new, norm(new)
+        """(residual + x summed over the ranks, norm of it), in one kernel, for a forward that
+        fuses_norms; norm: a model.RMSNorm."""
+        return self.peer.add_norm(x, residual, norm.weight, norm.eps, phase)
 
 
 @dataclass(frozen=True)
@@ -110,8 +107,6 @@ def use_peer_sums(model, device: str, rows: int, tokens: int) -> None:
     divide by the ranks)."""
     if model.sums is None:
         return
-    import torch.distributed as dist
-
     group = model.sums.group
     dtype = model.model.embed_tokens.weight.dtype
     model.sums.peer = peer_sum.create(

@@ -175,6 +175,16 @@ def check_model(window: int | None, device: str = "cpu") -> None:
     assert traces[0] == traces[1], traces
 
 
+def peer_buffers(world: int, elements: int, device: str):
+    """world ranks' empty buffers of `elements` int16 in one process, and their addresses as
+    the peer ops take them."""
+    from engines.torch_engine import peer_sum as ps
+
+    bufs = [torch.full((elements,), ps.EMPTY, dtype=torch.int16, device=device)
+            for _ in range(world)]
+    return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+
+
 def check_peer_sum(device: str = "cpu") -> None:
     """Two ranks' peer sums in one process, one after the other: rank 1 finds rank 0's part
     already in its buffer (put there as rank 0's kernel would), rank 0 then finds rank 1's,
@@ -186,9 +196,7 @@ def check_peer_sum(device: str = "cpu") -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for n, phase in ((7, 0), (3 * ps.BLOCK + 5, 1), (ps.MAX_PROGRAMS * ps.BLOCK + 100, 0)):
             capacity = n + 3
-            bufs = [torch.full((ps.buffer_elements(2, capacity),), ps.EMPTY, dtype=torch.int16,
-                               device=device) for _ in range(2)]
-            ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+            bufs, ptrs = peer_buffers(2, ps.buffer_elements(2, capacity), device)
             x = [torch.randn(n, dtype=dtype, device=device) for _ in range(2)]
             x[0][:3] = -0.0
             sent0 = torch.where(x[0] == 0, 0.0, x[0]).to(dtype).view(torch.int16)
@@ -226,9 +234,7 @@ def check_peer_sum_norm(device: str = "cpu") -> None:
     for dtype in (torch.bfloat16, torch.float16):
         for rows, hidden, phase in ((1, 64, 0), (3, 96, 1), (ps.MAX_PROGRAMS + 2, 32, 0)):
             capacity = rows * hidden + 3
-            bufs = [torch.full((ps.buffer_elements(2, capacity),), ps.EMPTY, dtype=torch.int16,
-                               device=device) for _ in range(2)]
-            ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+            bufs, ptrs = peer_buffers(2, ps.buffer_elements(2, capacity), device)
             x = [torch.randn(rows, hidden, dtype=dtype, device=device) for _ in range(2)]
             x[0][0, :2] = -0.0
             residual = torch.randn(rows, hidden, dtype=dtype, device=device)
@@ -262,9 +268,7 @@ def check_peer_gather(device: str = "cpu") -> None:
     world = 3
     for rows, part in ((1, 7), (3, 2 * ps.BLOCK + 9)):
         capacity = rows * part + 5
-        bufs = [torch.full((world * capacity,), ps.EMPTY, dtype=torch.int16, device=device)
-                for _ in range(world)]
-        ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+        bufs, ptrs = peer_buffers(world, world * capacity, device)
         parts = [torch.randn(rows, part, dtype=torch.bfloat16, device=device)
                  for _ in range(world)]
         parts[1][0, :2] = -0.0
