@@ -256,6 +256,49 @@ def layers(rank: int, world: int, rows_list: list[int], norms: bool = False) -> 
     return out
 
 
+# (programs, block, warps) tried by --layouts: the chunking the peer sums take by default
+# (peer_sum.layout) against more programs or smaller blocks at a prefill's sizes.
+LAYOUTS = ((128, 1024, 4), (128, 2048, 4), (128, 4096, 8), (128, 8192, 16), (256, 1024, 4),
+           (256, 2048, 4), (256, 4096, 8))
+
+
+def layouts(rank: int, world: int, rows_list: list[int], reps: int) -> list[dict]:
+    """The peer sum's kernel launched with each of LAYOUTS, per sum, in a graph of reps sums
+    (checked once each), against the default layout's choice."""
+    import torch
+    import torch.distributed as dist
+
+    from engines.torch_engine import peer_sum as ps
+
+    device = torch.device("cuda", rank)
+    capacity = max(rows_list) * HIDDEN
+    peer = ps.create(dist.group.WORLD, f"cuda:{rank}", capacity, torch.bfloat16)
+    if peer is None:
+        return [{"error": "no peer sums here"}]
+    ptrs = peer.buffers.ptrs
+    out = []
+    for rows in rows_list:
+        n = rows * HIDDEN
+        x = torch.full((n,), rank + 1.0, dtype=torch.bfloat16, device=device)
+        y = torch.empty_like(x)
+        line = {"rows": rows, "default": list(ps.layout(n))}
+        for programs, block, warps in LAYOUTS:
+            def launch(i, programs=programs, block=block, warps=warps):
+                ps._peer_sum_kernel[(min(programs, -(-n // block)),)](
+                    x.view(torch.int16), y, ptrs, rank, n, capacity, (i % 2) * world * capacity,
+                    WORLD=world, BF16=True, BLOCK=block, num_warps=warps)
+
+            launch(0)
+            torch.cuda.synchronize()
+            ok = bool((y == world * (world + 1) / 2).all())
+            graph = capture(lambda: [launch(i) for i in range(reps)])  # on every rank alike
+            us = round(timed(graph, device) / reps * 1000, 2)
+            line[f"{programs}x{block}/{warps}"] = us if ok else f"{us} WRONG"
+            dist.barrier()
+        out.append(line)
+    return out
+
+
 def stress(rank: int, world: int, max_rows: int, sums: int = 400) -> dict:
     """Peer sums against NCCL's on the same random parts: eager sums of random sizes, then a
     graph of 64 sums replayed on new inputs."""
@@ -341,8 +384,12 @@ def worker(rank: int, world: int, args, port: int, results) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=300),
                             device_id=torch.device("cuda", rank))
     rows = [int(r) for r in args.rows.split(",")]
-    got = {"stress": stress(rank, world, max(rows)), "sums": sums(rank, world, rows, args.reps),
+    sum_rows = [int(r) for r in (args.sum_rows or args.rows).split(",")]
+    got = {"stress": stress(rank, world, max(rows + sum_rows)),
+           "sums": sums(rank, world, sum_rows, args.reps),
            "layers": layers(rank, world, rows, args.norms)}
+    if args.layouts:
+        got["layouts"] = layouts(rank, world, sum_rows, args.reps)
     if rank == 0:
         results.put(got)
     dist.barrier()
@@ -357,6 +404,10 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--sum-rows", default=None,
+                        help="the rows of the sums' table, if not --rows (a prefill's: 2048)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="the peer sum's kernel at --sum-rows in each of LAYOUTS too")
     parser.add_argument("--reps", type=int, default=64, help="sums per graph (two a layer)")
     parser.add_argument("--norms", action="store_true",
                         help="the step's residual adds and RMS norms too, and the peer sums "
@@ -397,6 +448,9 @@ def main() -> int:
         print(f"rows {line['rows']}: " + ", ".join(
             f"{k[:-3]} {line.get(k)}" + (f" ({one / line[k]:.2f}x)" if one and line.get(k)
                                            and k != "one_gpu_ms" else "") for k in keys))
+    for line in got.get("layouts", []):
+        print("peer sum's layouts (programs x block / warps), us: "
+              + ", ".join(f"{k} {v}" for k, v in line.items()))
     for section in ("sums", "layers"):
         for line in got[section]:
             for k, v in line.items():

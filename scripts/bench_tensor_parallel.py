@@ -110,7 +110,11 @@ def run_config(args, config: str, levels: list[int]) -> dict:
                                 "step_ms_at_peak_batch": statistics.median(
                                     r["step_ms_at_peak_batch"] or 0 for r in runs),
                                 "engine_step_ms_at_peak_batch": statistics.median(
-                                    r["engine_step_ms_at_peak_batch"] or 0 for r in runs)}
+                                    r["engine_step_ms_at_peak_batch"] or 0 for r in runs),
+                                # Every figure of the median run (where a level's time goes:
+                                # the server's TTFT and queueing, the clients' spread).
+                                "median_run": sorted(runs, key=lambda r: r["aggregate_tok_s"])[
+                                    len(runs) // 2]}
             print(f"{config} {n:>3} clients: {statistics.median(tok_s):,.0f} tok/s "
                   f"({', '.join(f'{t:,.0f}' for t in tok_s)})", flush=True)
     finally:

@@ -27,6 +27,7 @@ way into rank 0's buffer alone; the other ranks send and go on."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -40,8 +41,34 @@ log = logging.getLogger("duet.engines.torch")
 
 EMPTY = -32768  # 0x8000 as int16: negative zero in bfloat16 and float16
 PHASES = 2
-BLOCK = 1024
-MAX_PROGRAMS = 128  # every program resident at once: one waits only for its peers' namesakes
+BLOCK, MAX_BLOCK = 1024, 4096  # elements a program moves at once: the least, the most
+# Programs a sum may have: two an SM at most (each of 8 warps or fewer, so two fit), every
+# program resident at once, and one waits only for its peers' namesakes.
+MAX_PROGRAMS = 256
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_programs(device: torch.device) -> int:
+    return min(MAX_PROGRAMS, 2 * _sms(device.index)) if device.type == "cuda" else MAX_PROGRAMS
+
+
+def layout(n: int, programs: int = MAX_PROGRAMS) -> tuple[int, int, int]:
+    """(programs, block, warps) of a sum or gather of n elements, with up to `programs`
+    programs. A decode step's few kilobytes are bound by latency: as many programs as blocks
+    of BLOCK. Past that each program's block grows (up to MAX_BLOCK, with its warps) as long as
+    every program still takes two blocks or more: measured on two H100s (bench_all_reduce.py
+    --layouts), a program that sends its one block and at once waits for its peers' made a
+    2 MB sum four times as slow, and blocks of BLOCK a 16 MB sum (a prefill's 2,048 tokens)
+    1.7 times as slow."""
+    rounds = 2 * programs
+    block = min(max(1 << ((n // rounds).bit_length() - 1) if n >= rounds else 1, BLOCK),
+                MAX_BLOCK)
+    return min(-(-n // block), programs), block, max(4, block // 512)
+
 
 if triton is not None:
     import triton.language as tl
@@ -157,10 +184,10 @@ def peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
     out = torch.empty_like(flat)
     n, world = flat.numel(), ptrs.numel()
     _fits(n, capacity)
-    grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
-    _peer_sum_kernel[grid](flat.view(torch.int16), out, ptrs, rank, n, capacity,
-                           phase * world * capacity, WORLD=world,
-                           BF16=x.dtype == torch.bfloat16, BLOCK=BLOCK)
+    programs, block, warps = layout(n, max_programs(x.device))
+    _peer_sum_kernel[(programs,)](flat.view(torch.int16), out, ptrs, rank, n, capacity,
+                                  phase * world * capacity, WORLD=world,
+                                  BF16=x.dtype == torch.bfloat16, BLOCK=block, num_warps=warps)
     return out.view(x.shape)
 
 
@@ -182,7 +209,7 @@ def peer_sum_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     new, normed = torch.empty_like(res), torch.empty_like(res)
     rows, world = flat.shape[0], ptrs.numel()
     _fits(flat.numel(), capacity)
-    _peer_sum_norm_kernel[(min(rows, MAX_PROGRAMS),)](
+    _peer_sum_norm_kernel[(min(rows, max_programs(x.device)),)](
         flat.view(torch.int16), res, weight, new, normed, ptrs, rank, rows, hidden, eps,
         capacity, phase * world * capacity, WORLD=world, BF16=x.dtype == torch.bfloat16,
         BLOCK_H=triton.next_power_of_2(hidden), num_warps=8)
@@ -207,9 +234,9 @@ def peer_gather(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int) -
     out = torch.empty(rows, world * part if rank == 0 else 0, dtype=x.dtype, device=x.device)
     n = x.numel()
     _fits(n, capacity)
-    grid = (min(triton.cdiv(n, BLOCK), MAX_PROGRAMS),)
-    _peer_gather_kernel[grid](x.view(torch.int16), out.view(torch.int16), ptrs, rank, n, part,
-                              capacity, WORLD=world, BLOCK=BLOCK)
+    programs, block, warps = layout(n, max_programs(x.device))
+    _peer_gather_kernel[(programs,)](x.view(torch.int16), out.view(torch.int16), ptrs, rank, n,
+                                     part, capacity, WORLD=world, BLOCK=block, num_warps=warps)
     return out
 
 

@@ -50,7 +50,8 @@ class Sums:
     group: object  # the ranks' torch.distributed process group
     peer: peer_sum.PeerSum | None = None
     # Each peer sum with its residual add and the next norm in one kernel (add_norm): opt-in
-    # with DUET_TP_FUSED_NORMS=1 until measured against three kernels on two GPUs.
+    # with DUET_TP_FUSED_NORMS=1. Measured on two H100s, compiled (Inductor makes the add and
+    # the norm one kernel already): 1% off a batch-1 step, 9% onto a 64-row one.
     fused_norms: bool = False
 
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:

@@ -194,7 +194,10 @@ def check_peer_sum(device: str = "cpu") -> None:
     from engines.torch_engine import peer_sum as ps
 
     for dtype in (torch.bfloat16, torch.float16):
-        for n, phase in ((7, 0), (3 * ps.BLOCK + 5, 1), (ps.MAX_PROGRAMS * ps.BLOCK + 100, 0)):
+        # One program, several, every program (its block grown), and several rounds of the
+        # largest block (a prefill's sum).
+        for n, phase in ((7, 0), (3 * ps.BLOCK + 5, 1), (ps.MAX_PROGRAMS * ps.BLOCK + 100, 0),
+                         (2 * ps.MAX_PROGRAMS * ps.MAX_BLOCK + 9, 1)):
             capacity = n + 3
             bufs, ptrs = peer_buffers(2, ps.buffer_elements(2, capacity), device)
             x = [torch.randn(n, dtype=dtype, device=device) for _ in range(2)]
@@ -266,7 +269,7 @@ def check_peer_gather(device: str = "cpu") -> None:
     from engines.torch_engine import peer_sum as ps
 
     world = 3
-    for rows, part in ((1, 7), (3, 2 * ps.BLOCK + 9)):
+    for rows, part in ((1, 7), (3, 2 * ps.BLOCK + 9), (2, ps.MAX_PROGRAMS * ps.BLOCK + 3)):
         capacity = rows * part + 5
         bufs, ptrs = peer_buffers(world, world * capacity, device)
         parts = [torch.randn(rows, part, dtype=torch.bfloat16, device=device)

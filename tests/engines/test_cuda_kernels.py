@@ -56,11 +56,15 @@ def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
 
 
 PTR16 = "*bf16"
-CUDA_KERNELS = {  # module, kernel: signature as the ops launch it (bfloat16), constants[, options]
+CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (bfloat16), constants[, options]
     ("peer_sum", "_peer_sum_kernel"): (
         {"X": "*i16", "Out": PTR16, "Ptrs": "*i64", "rank": "i32", "n": "i32",
          "slot_stride": "i32", "phase_offset": "i32"},
         {"WORLD": 2, "BF16": True, "BLOCK": 1024}),
+    ("peer_sum", "_peer_sum_kernel", "prefill"): (  # the largest block, as layout() gives it
+        {"X": "*i16", "Out": PTR16, "Ptrs": "*i64", "rank": "i32", "n": "i32",
+         "slot_stride": "i32", "phase_offset": "i32"},
+        {"WORLD": 2, "BF16": True, "BLOCK": 4096}, {"num_warps": 8}),
     ("peer_sum", "_peer_sum_norm_kernel"): (
         {"X": "*i16", "Res": PTR16, "W": PTR16, "NewRes": PTR16, "Normed": PTR16, "Ptrs": "*i64",
          "rank": "i32", "rows": "i32", "hidden": "i32", "eps": "fp32", "slot_stride": "i32",
@@ -89,8 +93,8 @@ CUDA_KERNELS = {  # module, kernel: signature as the ops launch it (bfloat16), c
 
 
 @needs_triton
-@pytest.mark.parametrize("module,name", sorted(CUDA_KERNELS))
-def test_cuda_kernels_compile_for_hopper(module, name):
+@pytest.mark.parametrize("key", sorted(CUDA_KERNELS), ids="-".join)
+def test_cuda_kernels_compile_for_hopper(key):
     """The CUDA path's Triton kernels compiled as a GPU would compile them (for an H100's
     sm_90, with the ptxas Triton ships), here on the CPU: the interpreter runs their Python,
     not Triton's compiler. The peer kernels' waits must be volatile loads, which see the other
@@ -101,8 +105,9 @@ def test_cuda_kernels_compile_for_hopper(module, name):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    module, name = key[:2]
     fn = getattr(importlib.import_module(f"engines.torch_engine.{module}"), name)
-    signature, constants, *options = CUDA_KERNELS[(module, name)]
+    signature, constants, *options = CUDA_KERNELS[key]
     source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constants}},
                        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     try:

@@ -225,6 +225,25 @@ def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
         check_splits(args, 4)
 
 
+@pytest.mark.parametrize("n", [1, 7, 1024, 1025, 256 * 1024, 256 * 1024 + 1, 700_000,
+                               2 * 256 * 2048, 2048 * 4096, 64 * 64_128])
+@pytest.mark.parametrize("most", [256, 264, 116])
+def test_a_peer_sum_is_laid_out_for_latency_small_and_bandwidth_large(n, most):
+    from engines.torch_engine import peer_sum as ps
+
+    programs, block, warps = ps.layout(n, most)
+    assert 1 <= programs <= most  # all resident: each waits on its peers' namesake
+    assert ps.BLOCK <= block <= ps.MAX_BLOCK and block & (block - 1) == 0
+    assert programs * block >= min(n, most * block)  # every element has a program
+    if n <= most * ps.BLOCK:  # a decode step's: the smallest block, a program each
+        assert (block, programs) == (ps.BLOCK, -(-n // ps.BLOCK))
+    else:  # every program busy, each with two blocks or more, the largest such block
+        assert programs == most
+        assert block == ps.BLOCK or 2 * block * programs <= n
+        assert block == ps.MAX_BLOCK or n < 4 * block * programs
+    assert warps * 32 * 4 <= block <= warps * 32 * 16  # a thread's loads 8-32 bytes wide
+
+
 def _rank_processes(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True)
             if any("rank_worker" in part for part in p.cmdline())]
