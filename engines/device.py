@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -93,6 +94,14 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
     elif device == "mps":
         torch.mps.synchronize()
+
+
+@functools.cache
+def cuda_multiprocessors(index: int) -> int:
+    """The SMs of CUDA device `index` (a kernel sizes its grid to them)."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def free_memory_bytes(device: str) -> int | None:

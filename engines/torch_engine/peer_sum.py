@@ -27,7 +27,6 @@ way into rank 0's buffer alone; the other ranks send and go on."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..device import cuda_multiprocessors
 from .decode_attention import triton
 
 log = logging.getLogger("duet.engines.torch")
@@ -47,13 +47,9 @@ BLOCK, MAX_BLOCK = 1024, 4096  # elements a program moves at once: the least, th
 MAX_PROGRAMS = 256
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def max_programs(device: torch.device) -> int:
-    return min(MAX_PROGRAMS, 2 * _sms(device.index)) if device.type == "cuda" else MAX_PROGRAMS
+    return (min(MAX_PROGRAMS, 2 * cuda_multiprocessors(device.index)) if device.type == "cuda"
+            else MAX_PROGRAMS)
 
 
 def layout(n: int, programs: int = MAX_PROGRAMS) -> tuple[int, int, int]:

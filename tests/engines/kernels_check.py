@@ -78,6 +78,49 @@ def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device
             )
 
 
+def check_int4_mm(device: str = "cpu") -> None:
+    """The int4 kernel against quant.py's dequantized weight: one row and a few (split-K, the
+    decode plan), many (the prefill plan), GGUF's groups of 32 and groups of 64 and 128,
+    columns that are not a multiple of the tile. Within bfloat16's rounding of each weight and
+    of the result (the interpreter rounds float32 to 16 bits toward zero)."""
+    from engines.torch_engine import int4_kernel, quant
+
+    torch.manual_seed(0)
+    for n, k, group, m in ((64, 128, 64, 1), (96, 256, 32, 3), (80, 512, 64, 20),
+                           (64, 1024, 128, 5), (4096, 512, 64, 1)):
+        w = torch.randn(n, k) * 0.05
+        q, scale, zero = quant.quantize_int4(w, group)
+        scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+        ref = quant.dequantize_int4(q, scale.float(), zero.float(), group)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        got = torch.ops.duet.int4_mm(x.to(device), int4_kernel.pack(q).to(device),
+                                     scale.t().contiguous().to(device),
+                                     zero.t().contiguous().to(device), group).cpu()
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        want = x.float() @ ref.t()
+        bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
+        worst = ((got.float() - want).abs() / bound).max().item()
+        assert worst <= 1, (n, k, group, m, worst)
+
+
+def check_int4_layer(device: str = "cpu") -> None:
+    """An int4 layer on the kernel computes what the same layer dequantized computes, and a
+    row the same bits alone as beside others (a request's tokens must not depend on its
+    batch)."""
+    from engines.torch_engine import quant
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    fast = quant.Int4Linear(linear, "triton", 64).to(device)
+    slow = quant.Int4Linear(linear, "dequant", 64)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    got, want = fast(x.to(device)).cpu(), slow(x)
+    assert got.shape == (3, 96) and got.dtype == torch.bfloat16
+    tol = 0.02 * want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    assert torch.equal(fast(x[:1].to(device)).cpu(), got[:1])
+
+
 def check_borders(device="cpu") -> None:
     """Each row's nucleus border found by the kernel's search keeps the tokens the sorted
     ranks keep (sampling._borders), and a draw with it takes the same tokens: top_k alone,
@@ -291,6 +334,8 @@ if __name__ == "__main__":
     check_op(device=device)
     check_silu_mul(device=device)
     check_borders(device=device)
+    check_int4_mm(device=device)
+    check_int4_layer(device=device)
     if device == "cpu":  # on a GPU, scripts/bench_all_reduce.py checks it over two
         check_peer_sum(device)
         check_peer_sum_norm(device)

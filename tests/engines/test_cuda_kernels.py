@@ -31,11 +31,14 @@ def test_kernel_in_the_triton_interpreter():
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_cuda():
-    from tests.engines.kernels_check import check_model, check_op, check_silu_mul
+    from tests.engines.kernels_check import (check_borders, check_int4_layer, check_int4_mm,
+                                             check_model, check_op, check_silu_mul)
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
     check_borders(device="cuda")
+    check_int4_mm(device="cuda")
+    check_int4_layer(device="cuda")
     check_model(window=None, device="cuda")
     check_model(window=8, device="cuda")
 
@@ -86,6 +89,16 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
         {"D": 128, "N_SPLITS": 8, "SPLITS_PAD": 8}),
     ("silu_mul", "_silu_mul_kernel"): (
         {"X": PTR16, "Out": PTR16, "hidden": "i32"}, {"BLOCK": 1024}),
+    ("int4_kernel", "_int4_mm_kernel", "decode"): (
+        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
+         "N": "i32", "K": "i32"},
+        {"GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4,
+         "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_int4_mm_kernel", "prefill"): (
+        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
+         "N": "i32", "K": "i32"},
+        {"GROUP": 32, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1,
+         "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
     ("nucleus_kernel", "_borders_kernel"): (
         {"Probs": "*fp32", "stride": "i32", "Floats": "*fp32", "Ints": "*i64", "Out": "*fp32",
          "V": "i32"}, {"BLOCK": 4096}, {"num_warps": 16}),

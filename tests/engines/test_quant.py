@@ -125,6 +125,38 @@ def test_kernel_choice_falls_back_where_a_kernel_cannot_take_the_shape():
     assert quant.kernel("fp8", "cpu", (64, 64)) == "dequant"
 
 
+def test_int4_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monkeypatch):
+    from engines.torch_engine import int4_kernel
+
+    if int4_kernel.triton is None:
+        pytest.skip("Triton is not installed")
+    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "cuda"  # tinygemm by default
+    monkeypatch.setenv("DUET_INT4_KERNEL", "triton")
+    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "triton"
+    assert quant.kernel("int4", "cuda", (4096, 4096), 32) == "triton"  # GGUF's blocks
+    assert quant.kernel("int4", "cuda", (96, 96), 32) == "dequant"  # K not whole steps of 64
+    assert quant.kernel("int4", "cpu", (4096, 4096), 64) == "cpu"  # CUDA only
+    assert quant.kernel("int8", "cuda", (4096, 4096), 64) == "cuda"
+
+
+@pytest.mark.parametrize("m,n,k,group", [(1, 4096, 4096, 64), (1, 4096, 14336, 64),
+                                         (1, 28672, 4096, 64), (4, 6144, 4096, 32),
+                                         (64, 4096, 4096, 64), (2048, 28672, 4096, 128)])
+def test_int4_plan_tiles_whole_groups_and_fills_the_gpu_at_a_few_rows(m, n, k, group):
+    from engines.torch_engine import int4_kernel
+
+    p = int4_kernel.plan(m, n, k, group, sms=132)
+    assert p.block_k % group == 0 and k % (p.block_k * p.split_k) == 0
+    assert p.block_k % int4_kernel.PACK == 0 and p.block_m >= 16  # the tensor cores' least
+    programs = -(-m // p.block_m) * -(-n // p.block_n) * p.split_k
+    if m <= 16:
+        assert p.block_m == 16
+        assert programs > 132  # more programs than SMs: split where the columns are few
+        assert p.split_k == 1 or programs <= 2 * 132
+    else:
+        assert p.split_k == 1
+
+
 def test_int4_layer_whose_inputs_do_not_split_into_groups_is_int8():
     layer = _linear(32, 72)
     q = quant.quantize_linear(layer, Quantization("int4", 64), "cpu")

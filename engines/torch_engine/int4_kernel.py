@@ -1,0 +1,144 @@
+"""Group-wise int4 weights times bfloat16 activations in one Triton kernel, for CUDA: an
+alternative to tinygemm (torch._weight_int4pack_mm), opt-in with DUET_INT4_KERNEL=triton until
+measured on the GPU against it.
+
+Why: measured on an H100 (docs/benchmarks.md, 2026-11-24), tinygemm read its 4-bit weights at
+about half the bandwidth bf16's products reach (the 8B shape decoded 1.81x bf16 at batch 1,
+not the 2.5x a quarter of the bytes allows), and a 64-row product of the 8B MLP took 521 us
+against bf16's 150: 64 clients ran at 0.15x bf16.
+
+How (the layout of GPTQ's Triton kernels): the weight [N, K] is stored K-major as int32
+[K/8, N], eight 4-bit values of consecutive inputs a word, so a program's threads read
+consecutive output columns; scales and zeros [K/group, N]. A program takes a tile of rows, of
+output columns and of the inputs (split-K when the rows are few, so that a matrix-vector
+product of a narrow layer still fills the GPU), unpacks and dequantizes its weight tile to
+bfloat16 ((q - 8) * scale + zero, quant.py's arithmetic) and multiplies it on the tensor
+cores; the split-K parts are added in float32, in order."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..device import cuda_multiprocessors
+from .decode_attention import triton
+
+PACK = 8  # 4-bit values an int32 holds
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _int4_mm_kernel(X, QW, Scales, Zeros, Out, M, N, K,
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BF16_DOT: tl.constexpr):
+        """Out[pid_k, M, N] (float32) = X[M, K] @ dequant(QW)[K, N] over this program's share
+        of K. Each word and each group's scale and zero is read once
+        and spread over its 8 inputs, or its GROUP inputs, in registers."""
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
+        ks = tl.arange(0, BLOCK_K)
+        words_at = tl.arange(0, BLOCK_K // 8)
+        groups_at = tl.arange(0, BLOCK_K // GROUP)
+        shifts = tl.arange(0, 8) * 4  # a value's bits within its word
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        per_split = K // SPLIT_K
+        for start in range(pid_k * per_split, (pid_k + 1) * per_split, BLOCK_K):
+            x = tl.load(X + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
+                        other=0.0)
+            words = tl.load(QW + (start // 8 + words_at)[:, None] * N + cols[None, :],
+                            mask=col_ok[None, :], other=0)
+            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+            g = (start // GROUP + groups_at)[:, None] * N + cols[None, :]
+            scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // GROUP, GROUP,
+                                                                    BLOCK_N)), (BLOCK_K, BLOCK_N))
+            zero = tl.reshape(tl.broadcast_to(zero[:, None, :], (BLOCK_K // GROUP, GROUP,
+                                                                  BLOCK_N)), (BLOCK_K, BLOCK_N))
+            w = (q.to(tl.float32) - 8.0) * scale + zero
+            if BF16_DOT:
+                acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
+            else:  # Triton's interpreter multiplies bfloat16 as raw bits: its tests' path
+                acc += tl.dot(x.to(tl.float32), w.to(tl.bfloat16).to(tl.float32),
+                              input_precision="ieee")
+        out = Out + pid_k * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A product's tiles: BLOCK_M rows, BLOCK_N columns, BLOCK_K inputs a step, the inputs split
+    SPLIT_K ways."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
+    """Few rows (decode): tiles of 16 rows (the tensor cores' least), 64 columns, and the
+    inputs split until the programs are about two an SM (a product of 4,096 columns has only
+    64 tiles of them). Many rows (prefill): 64 x 128 tiles, no split."""
+    block_k = max(64, group)
+    if m <= 16:
+        split, tiles = 1, -(-n // 64)
+        while tiles * split * 2 <= 2 * sms and k % (block_k * split * 2) == 0:
+            split *= 2
+        return Plan(16, 64, block_k, split, 4, 3)
+    return Plan(64, 128, block_k, 1, 4, 3)
+
+
+def fits(n: int, k: int, group: int) -> bool:
+    """Whether a [N, K] weight of this group size takes the kernel: K in whole steps of
+    BLOCK_K, each step whole groups."""
+    block_k = plan(1, n, k, group).block_k
+    return k % block_k == 0 and block_k % group == 0 and k % PACK == 0
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> int32 [K/8, N]: word (i, n) holds q[n, 8i..8i+7], the first
+    in its lowest bits."""
+    n, k = q.shape
+    parts = q.to(torch.int32).t().reshape(k // PACK, PACK, n)
+    words = torch.zeros(k // PACK, n, dtype=torch.int32, device=q.device)
+    for j in range(PACK):
+        words |= parts[:, j, :] << (4 * j)
+    return words
+
+
+def wanted() -> bool:
+    return os.environ.get("DUET_INT4_KERNEL") == "triton" and triton is not None
+
+
+@torch.library.custom_op("duet::int4_mm", mutates_args=())
+def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            group: int) -> torch.Tensor:
+    """x [M, K] (bfloat16) times the int4 weight (pack()'s qweight [K/8, N], scales and zeros
+    [K/group, N]) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    p = plan(m, n, k, group, cuda_multiprocessors(x.device.index)
+             if x.device.type == "cuda" else 132)
+    # Each split's part apart, added in split order after: a row's result is the same bits
+    # every time (atomic adds would add them in whatever order the programs end).
+    out = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
+    _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, out, m, n, k, GROUP=group,
+                          BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+                          SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
+                          num_warps=p.warps, num_stages=p.stages)
+    return (out[0] if p.split_k == 1 else out.sum(0)).to(x.dtype)
+
+
+@int4_mm.register_fake
+def _(x, qweight, scales, zeros, group):
+    return x.new_empty(x.shape[0], qweight.shape[1])
