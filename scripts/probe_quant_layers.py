@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 # [N, K] of Llama-3.1-8B's fused gate/up projection, its down projection, its fused QKV and
 # its output projection
@@ -25,32 +25,12 @@ SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
 FORMATS = ("bf16", "int8", "int4", "int4-triton", "fp8")
 
 
-def microseconds(fn, x, n: int = 20, replays: int = 20) -> float:
+def microseconds(fn, x, n: int = 20) -> float:
     """One call's time inside a CUDA graph of n calls (as the decode step replays them: no
-    launch overhead), the median of replays."""
-    import statistics
+    launch overhead)."""
+    from bench_all_reduce import capture, timed
 
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn(x)
-    times = []
-    for _ in range(replays):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / n)
-    return statistics.median(times)
+    return timed(capture(lambda: [fn(x) for _ in range(n)]), x.device) * 1000 / n
 
 
 def weight_bytes(fmt: str, n: int, k: int, group: int = 64) -> int:
