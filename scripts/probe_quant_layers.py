@@ -4,6 +4,11 @@ a quantized kernel wins or loses before a whole model is measured (CUDA). Each l
 also as the bandwidth its weight's bytes were read at.
 
   python scripts/probe_quant_layers.py --rows 1,64
+
+With --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS beside the one
+int4_kernel.plan() picks (the kernel's tuning, measured in one call).
+
+  python scripts/probe_quant_layers.py --rows 1,16,64 --int4-plans
 """
 
 from __future__ import annotations
@@ -33,6 +38,41 @@ def microseconds(fn, x, n: int = 20) -> float:
     return timed(capture(lambda: [fn(x) for _ in range(n)]), x.device) * 1000 / n
 
 
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --int4-plans at one row (BLOCK_M 1, the
+# reduction, and 16), a few (BLOCK_M 16) and many (BLOCK_M 64, no split).
+INT4_PLANS = [(n, bk, split, w, st) for n in (32, 64, 128) for bk in (64, 128)
+              for split in (1, 2, 4, 8) for w in (4, 8) for st in (3, 4)]
+
+
+def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
+    """Microseconds of duet's int4 kernel on a random [N, K] weight in each plan that fits."""
+    import torch
+
+    from engines.torch_engine import int4_kernel, quant
+
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, scale, zero = quant.quantize_int4(w, group)
+    qw = int4_kernel.pack(q)
+    sc, ze = (t.t().contiguous().to(torch.bfloat16) for t in (scale, zero))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    chosen = int4_kernel.plan(rows, n, k, group, torch.cuda.get_device_properties(0)
+                              .multi_processor_count)
+    out = {f"chosen {chosen}": round(microseconds(
+        lambda x: int4_kernel.launch(x, qw, sc, ze, group, chosen), x), 1)}
+    for block_n, block_k, split, warps, stages in INT4_PLANS:
+        if k % (block_k * split) or block_k % group or (rows > 16 and split > 1):
+            continue
+        for block_m in ((1, 16) if rows == 1 else (16,) if rows <= 16 else (64,)):
+            p = int4_kernel.Plan(block_m, block_n, block_k, split, warps, stages)
+            key = f"{block_m}x{block_n}x{block_k}/{split}/{warps}w{stages}s"
+            try:
+                out[key] = round(microseconds(
+                    lambda x, p=p: int4_kernel.launch(x, qw, sc, ze, group, p), x), 1)
+            except Exception as exc:  # a tiling past the GPU's shared memory or registers
+                out[key] = type(exc).__name__
+    return out
+
+
 def weight_bytes(fmt: str, n: int, k: int, group: int = 64) -> int:
     if fmt == "bf16":
         return 2 * n * k
@@ -49,6 +89,8 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", default="1,64")
+    p.add_argument("--int4-plans", action="store_true",
+                   help="duet's int4 kernel in each tiling of INT4_PLANS too")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/quant-layers.json")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -64,6 +106,12 @@ def main() -> int:
             row = {"n": n, "k": k, "rows": rows}
             for fmt, layer in layers.items():
                 row[fmt] = round(microseconds(torch.compile(layer), x), 1)
+            if args.int4_plans:
+                row["int4_plans"] = plans = int4_plans(n, k, rows)
+                best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
+                print(f"N={n} K={k} rows={rows} int4 plans, fastest: " + ", ".join(
+                    f"{key} {v:.1f} us ({n * k // 2 / v / 1e3:.0f} GB/s)" for v, key in best),
+                    flush=True)
             results.append(row)
             print(f"N={n} K={k} rows={rows}: " + " | ".join(
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"

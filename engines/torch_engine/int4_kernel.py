@@ -62,7 +62,10 @@ if triton is not None:
             zero = tl.reshape(tl.broadcast_to(zero[:, None, :], (BLOCK_K // GROUP, GROUP,
                                                                   BLOCK_N)), (BLOCK_K, BLOCK_N))
             w = (q.to(tl.float32) - 8.0) * scale + zero
-            if BF16_DOT:
+            if BLOCK_M == 1:  # one row: a reduction over the inputs, no tensor cores
+                acc += tl.sum(w.to(tl.bfloat16).to(tl.float32)
+                              * tl.reshape(x.to(tl.float32), (BLOCK_K, 1)), axis=0)[None, :]
+            elif BF16_DOT:
                 acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
             else:  # Triton's interpreter multiplies bfloat16 as raw bits: its tests' path
                 acc += tl.dot(x.to(tl.float32), w.to(tl.bfloat16).to(tl.float32),
@@ -85,7 +88,8 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
-    """Few rows (decode): tiles of 16 rows (the tensor cores' least), 64 columns, and the
+    """Few rows (decode): tiles of 16 rows (the tensor cores' least; a tile of 1 row, which
+    reduces without them, is the kernel's other form), 64 columns, and the
     inputs split until the programs are about two an SM (a product of 4,096 columns has only
     64 tiles of them). Many rows (prefill): 64 x 128 tiles, no split."""
     block_k = max(64, group)
@@ -125,9 +129,21 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     """x [M, K] (bfloat16) times the int4 weight (pack()'s qweight [K/8, N], scales and zeros
     [K/group, N]) -> [M, N] in x's dtype."""
     m, k = x.shape
-    n = qweight.shape[1]
-    p = plan(m, n, k, group, cuda_multiprocessors(x.device.index)
+    p = plan(m, qweight.shape[1], k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132)
+    return launch(x, qweight, scales, zeros, group, p)
+
+
+@int4_mm.register_fake
+def _(x, qweight, scales, zeros, group):
+    return x.new_empty(x.shape[0], qweight.shape[1])
+
+
+def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           group: int, p: Plan) -> torch.Tensor:
+    """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others)."""
+    m, k = x.shape
+    n = qweight.shape[1]
     # Each split's part apart, added in split order after: a row's result is the same bits
     # every time (atomic adds would add them in whatever order the programs end).
     out = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
@@ -137,8 +153,3 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                           SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
                           num_warps=p.warps, num_stages=p.stages)
     return (out[0] if p.split_k == 1 else out.sum(0)).to(x.dtype)
-
-
-@int4_mm.register_fake
-def _(x, qweight, scales, zeros, group):
-    return x.new_empty(x.shape[0], qweight.shape[1])

@@ -101,6 +101,13 @@ def check_int4_mm(device: str = "cpu") -> None:
         bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
         worst = ((got.float() - want).abs() / bound).max().item()
         assert worst <= 1, (n, k, group, m, worst)
+        if m == 1:  # the kernel's one-row form (a reduction), as a plan may pick it
+            p = int4_kernel.plan(m, n, k, group)
+            one = int4_kernel.launch(
+                x.to(device), int4_kernel.pack(q).to(device), scale.t().contiguous().to(device),
+                zero.t().contiguous().to(device), group,
+                int4_kernel.Plan(1, 32, p.block_k, p.split_k, 4, 3)).cpu()
+            assert ((one.float() - want).abs() / bound).max().item() <= 1, (n, k, group)
 
 
 def check_int4_layer(device: str = "cpu") -> None:
