@@ -13,7 +13,7 @@ consecutive output columns; scales and zeros [K/group, N]. A program takes a til
 output columns and of the inputs (split-K when the rows are few, so that a matrix-vector
 product of a narrow layer still fills the GPU), unpacks and dequantizes its weight tile to
 bfloat16 ((q - 8) * scale + zero, quant.py's arithmetic) and multiplies it on the tensor
-cores; the split-K parts are added in float32, in order."""
+cores; the split-K parts are added in float32, in order, by a second small kernel."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ..device import cuda_multiprocessors
 from .decode_attention import triton
 
 PACK = 8  # 4-bit values an int32 holds
+SUM_BLOCK = 1024
 
 if triton is not None:
     import triton.language as tl
@@ -34,8 +35,8 @@ if triton is not None:
     def _int4_mm_kernel(X, QW, Scales, Zeros, Out, M, N, K,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BF16_DOT: tl.constexpr):
-        """Out[pid_k, M, N] (float32) = X[M, K] @ dequant(QW)[K, N] over this program's share
-        of K. Each word and each group's scale and zero is read once
+        """Out[pid_k, M, N] = X[M, K] @ dequant(QW)[K, N] over this program's share of K (in
+        float32 when split, for _sum_splits_kernel; else in the activations' dtype). Each word and each group's scale and zero is read once
         and spread over its 8 inputs, or its GROUP inputs, in registers."""
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,7 +72,17 @@ if triton is not None:
                 acc += tl.dot(x.to(tl.float32), w.to(tl.bfloat16).to(tl.float32),
                               input_precision="ieee")
         out = Out + pid_k * M * N + rows[:, None] * N + cols[None, :]
-        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(Parts, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """Out[i] = Parts[0, i] + ... + Parts[SPLIT_K - 1, i], in that order, in Out's dtype."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < size
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            total += tl.load(Parts + split * size + offs, mask=ok, other=0.0)
+        tl.store(Out + offs, total.to(Out.dtype.element_ty), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -144,12 +155,18 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others)."""
     m, k = x.shape
     n = qweight.shape[1]
-    # Each split's part apart, added in split order after: a row's result is the same bits
-    # every time (atomic adds would add them in whatever order the programs end).
-    out = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
+    # Each split's part apart, added in split order after (one small kernel, which also
+    # rounds): a row's result is the same bits every time, as atomic adds in whatever order
+    # the programs end would not give.
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) \
+        if p.split_k > 1 else out
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
-    _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, out, m, n, k, GROUP=group,
+    _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k, GROUP=group,
                           BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
                           SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
                           num_warps=p.warps, num_stages=p.stages)
-    return (out[0] if p.split_k == 1 else out.sum(0)).to(x.dtype)
+    if p.split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n,
+                                                             SPLIT_K=p.split_k, BLOCK=SUM_BLOCK)
+    return out

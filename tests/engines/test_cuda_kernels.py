@@ -89,7 +89,7 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
         {"D": 128, "N_SPLITS": 8, "SPLITS_PAD": 8}),
     ("silu_mul", "_silu_mul_kernel"): (
         {"X": PTR16, "Out": PTR16, "hidden": "i32"}, {"BLOCK": 1024}),
-    ("int4_kernel", "_int4_mm_kernel", "decode"): (
+    ("int4_kernel", "_int4_mm_kernel", "decode"): (  # split: float32 parts
         {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
          "N": "i32", "K": "i32"},
         {"GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4,
@@ -99,11 +99,13 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "N": "i32", "K": "i32"},
         {"GROUP": 64, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
-    ("int4_kernel", "_int4_mm_kernel", "prefill"): (
-        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
+    ("int4_kernel", "_int4_mm_kernel", "prefill"): (  # not split: the result in bfloat16
+        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": PTR16, "M": "i32",
          "N": "i32", "K": "i32"},
         {"GROUP": 32, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_sum_splits_kernel"): (
+        {"Parts": "*fp32", "Out": PTR16, "size": "i32"}, {"SPLIT_K": 4, "BLOCK": 1024}),
     ("nucleus_kernel", "_borders_kernel"): (
         {"Probs": "*fp32", "stride": "i32", "Floats": "*fp32", "Ints": "*i64", "Out": "*fp32",
          "V": "i32"}, {"BLOCK": 4096}, {"num_warps": 16}),
