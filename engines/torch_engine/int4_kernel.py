@@ -13,7 +13,8 @@ consecutive output columns; scales and zeros [K/group, N]. A program takes a til
 output columns and of the inputs (split-K when the rows are few, so that a matrix-vector
 product of a narrow layer still fills the GPU), unpacks and dequantizes its weight tile to
 bfloat16 ((q - 8) * scale + zero, quant.py's arithmetic) and multiplies it on the tensor
-cores; the split-K parts are added in float32, in order, by a second small kernel."""
+cores; the split-K parts are added in float32, in order, by a second small kernel. A
+prefill's hundreds of rows dequantize the weight once instead and multiply it densely."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from ..device import cuda_multiprocessors
 from .decode_attention import triton
 
 PACK = 8  # 4-bit values an int32 holds
+# Past this many rows a product dequantizes the weight to bfloat16 once and multiplies densely.
+DEQUANT_ROWS = 256
 SUM_BLOCK = 1024
 
 if triton is not None:
@@ -75,6 +78,31 @@ if triton is not None:
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
+    def _dequant_kernel(QW, Scales, Zeros, W, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+        """W[K, N] (bfloat16) = the int4 weight dequantized, a [BLOCK_K, BLOCK_N] tile a
+        program."""
+        pid_k, pid_n = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        start = pid_k * BLOCK_K
+        words = tl.load(QW + (start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * N
+                        + cols[None, :], mask=col_ok[None, :], other=0)
+        q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        g = (start // GROUP + tl.arange(0, BLOCK_K // GROUP))[:, None] * N + cols[None, :]
+        scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // GROUP, GROUP,
+                                                                BLOCK_N)), (BLOCK_K, BLOCK_N))
+        zero = tl.reshape(tl.broadcast_to(zero[:, None, :], (BLOCK_K // GROUP, GROUP,
+                                                              BLOCK_N)), (BLOCK_K, BLOCK_N))
+        w = (q.to(tl.float32) - 8.0) * scale + zero
+        ks = start + tl.arange(0, BLOCK_K)
+        tl.store(W + ks[:, None] * N + cols[None, :], w.to(W.dtype.element_ty),
+                 mask=col_ok[None, :])
+
+    @triton.jit
     def _sum_splits_kernel(Parts, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
         """Out[i] = Parts[0, i] + ... + Parts[SPLIT_K - 1, i], in that order, in Out's dtype."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -102,7 +130,7 @@ def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
     """Few rows (decode): tiles of 16 rows (the tensor cores' least; a tile of 1 row, which
     reduces without them, is the kernel's other form), 64 columns, and the
     inputs split until the programs are about two an SM (a product of 4,096 columns has only
-    64 tiles of them). Many rows (prefill): 64 x 128 tiles, no split."""
+    64 tiles of them). More rows, up to DEQUANT_ROWS: 64 x 128 tiles, no split."""
     block_k = max(64, group)
     if m <= 16:
         split, tiles = 1, -(-n // 64)
@@ -140,6 +168,8 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     """x [M, K] (bfloat16) times the int4 weight (pack()'s qweight [K/8, N], scales and zeros
     [K/group, N]) -> [M, N] in x's dtype."""
     m, k = x.shape
+    if m > DEQUANT_ROWS:
+        return x @ dequantize(qweight, scales, zeros, group).to(x.dtype)
     p = plan(m, qweight.shape[1], k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132)
     return launch(x, qweight, scales, zeros, group, p)
@@ -148,6 +178,20 @@ def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 @int4_mm.register_fake
 def _(x, qweight, scales, zeros, group):
     return x.new_empty(x.shape[0], qweight.shape[1])
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group: int) -> torch.Tensor:
+    """The weight [K, N] in bfloat16, for a product of many rows (a prefill's): one pass over
+    the int4 weight, then the dense product's tensor cores, where tiles of the fused kernel
+    would dequantize each weight once per 64 rows."""
+    k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    block_k = max(64, group)
+    w = torch.empty(k, n, dtype=torch.bfloat16, device=qweight.device)
+    _dequant_kernel[(k // block_k, triton.cdiv(n, 64))](qweight, scales, zeros, w, n,
+                                                        GROUP=group, BLOCK_K=block_k,
+                                                        BLOCK_N=64)
+    return w
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

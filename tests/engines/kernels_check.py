@@ -87,7 +87,8 @@ def check_int4_mm(device: str = "cpu") -> None:
 
     torch.manual_seed(0)
     for n, k, group, m in ((64, 128, 64, 1), (96, 256, 32, 3), (80, 512, 64, 20),
-                           (64, 1024, 128, 5), (4096, 512, 64, 1)):
+                           (64, 1024, 128, 5), (4096, 512, 64, 1),
+                           (72, 128, 32, int4_kernel.DEQUANT_ROWS + 1)):
         w = torch.randn(n, k) * 0.05
         q, scale, zero = quant.quantize_int4(w, group)
         scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
@@ -101,6 +102,12 @@ def check_int4_mm(device: str = "cpu") -> None:
         bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
         worst = ((got.float() - want).abs() / bound).max().item()
         assert worst <= 1, (n, k, group, m, worst)
+        if m > int4_kernel.DEQUANT_ROWS:  # the weight dequantized whole: its exact values
+            whole = int4_kernel.dequantize(int4_kernel.pack(q).to(device),
+                                           scale.t().contiguous().to(device),
+                                           zero.t().contiguous().to(device), group).cpu()
+            assert whole.shape == (k, n)
+            assert ((whole.float() - ref.t()).abs() <= ref.t().abs() * 2 ** -7).all()
         if m == 1:  # the kernel's one-row form (a reduction), as a plan may pick it
             p = int4_kernel.plan(m, n, k, group)
             one = int4_kernel.launch(

@@ -104,6 +104,9 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "N": "i32", "K": "i32"},
         {"GROUP": 32, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_dequant_kernel"): (
+        {"QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "W": PTR16, "N": "i32"},
+        {"GROUP": 64, "BLOCK_K": 64, "BLOCK_N": 64}),
     ("int4_kernel", "_sum_splits_kernel"): (
         {"Parts": "*fp32", "Out": PTR16, "size": "i32"}, {"SPLIT_K": 4, "BLOCK": 1024}),
     ("nucleus_kernel", "_borders_kernel"): (
