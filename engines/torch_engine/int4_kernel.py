@@ -35,37 +35,44 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _spread(v, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """[BLOCK_K / GROUP, BLOCK_N] -> [BLOCK_K, BLOCK_N], each row repeated GROUP times."""
+        return tl.reshape(tl.broadcast_to(v[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
+                          (BLOCK_K, BLOCK_N))
+
+    @triton.jit
+    def _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Inputs start..start+BLOCK_K of the weight's columns `cols`, dequantized (float32
+        [BLOCK_K, BLOCK_N]). Each word and each group's scale and zero is read once and spread
+        over its 8 inputs, or its GROUP inputs, in registers."""
+        words = tl.load(QW + (start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * N
+                        + cols[None, :], mask=col_ok[None, :], other=0)
+        q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        g = (start // GROUP + tl.arange(0, BLOCK_K // GROUP))[:, None] * N + cols[None, :]
+        scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        return ((q.to(tl.float32) - 8.0) * _spread(scale, GROUP, BLOCK_K, BLOCK_N)
+                + _spread(zero, GROUP, BLOCK_K, BLOCK_N))
+
+    @triton.jit
     def _int4_mm_kernel(X, QW, Scales, Zeros, Out, M, N, K,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BF16_DOT: tl.constexpr):
         """Out[pid_k, M, N] = X[M, K] @ dequant(QW)[K, N] over this program's share of K (in
-        float32 when split, for _sum_splits_kernel; else in the activations' dtype). Each word and each group's scale and zero is read once
-        and spread over its 8 inputs, or its GROUP inputs, in registers."""
+        float32 when split, for _sum_splits_kernel; else in the activations' dtype)."""
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
         ks = tl.arange(0, BLOCK_K)
-        words_at = tl.arange(0, BLOCK_K // 8)
-        groups_at = tl.arange(0, BLOCK_K // GROUP)
-        shifts = tl.arange(0, 8) * 4  # a value's bits within its word
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         per_split = K // SPLIT_K
         for start in range(pid_k * per_split, (pid_k + 1) * per_split, BLOCK_K):
             x = tl.load(X + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
                         other=0.0)
-            words = tl.load(QW + (start // 8 + words_at)[:, None] * N + cols[None, :],
-                            mask=col_ok[None, :], other=0)
-            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-            q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-            g = (start // GROUP + groups_at)[:, None] * N + cols[None, :]
-            scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // GROUP, GROUP,
-                                                                    BLOCK_N)), (BLOCK_K, BLOCK_N))
-            zero = tl.reshape(tl.broadcast_to(zero[:, None, :], (BLOCK_K // GROUP, GROUP,
-                                                                  BLOCK_N)), (BLOCK_K, BLOCK_N))
-            w = (q.to(tl.float32) - 8.0) * scale + zero
+            w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K, BLOCK_N)
             if BLOCK_M == 1:  # one row: a reduction over the inputs, no tensor cores
                 acc += tl.sum(w.to(tl.bfloat16).to(tl.float32)
                               * tl.reshape(x.to(tl.float32), (BLOCK_K, 1)), axis=0)[None, :]
@@ -82,22 +89,10 @@ if triton is not None:
                         BLOCK_N: tl.constexpr):
         """W[K, N] (bfloat16) = the int4 weight dequantized, a [BLOCK_K, BLOCK_N] tile a
         program."""
-        pid_k, pid_n = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        start = pid_k * BLOCK_K
-        words = tl.load(QW + (start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * N
-                        + cols[None, :], mask=col_ok[None, :], other=0)
-        q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-        g = (start // GROUP + tl.arange(0, BLOCK_K // GROUP))[:, None] * N + cols[None, :]
-        scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-        zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // GROUP, GROUP,
-                                                                BLOCK_N)), (BLOCK_K, BLOCK_N))
-        zero = tl.reshape(tl.broadcast_to(zero[:, None, :], (BLOCK_K // GROUP, GROUP,
-                                                              BLOCK_N)), (BLOCK_K, BLOCK_N))
-        w = (q.to(tl.float32) - 8.0) * scale + zero
+        start = tl.program_id(0) * BLOCK_K
+        w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K, BLOCK_N)
         ks = start + tl.arange(0, BLOCK_K)
         tl.store(W + ks[:, None] * N + cols[None, :], w.to(W.dtype.element_ty),
                  mask=col_ok[None, :])
