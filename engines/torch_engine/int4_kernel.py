@@ -123,22 +123,24 @@ class Plan:
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
     """Few rows (decode): tiles of 16 rows (the tensor cores' least; a tile of 1 row, which
-    reduces without them, is the kernel's other form), 64 columns, and the
-    inputs split until the programs are about two an SM (a product of 4,096 columns has only
-    64 tiles of them). More rows, up to DEQUANT_ROWS: 64 x 128 tiles, no split."""
-    block_k = max(64, group)
+    reduces without them, is the kernel's other form) by 64 columns, 128 inputs a step (4 KB
+    of weights a load), and the inputs split until there are about four programs an SM (a
+    product of 4,096 columns has only 64 tiles of them): a matrix-vector product is bound by
+    the bytes in flight. More rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step, no
+    split. A first guess, to be tuned on the GPU (probe_quant_layers.py --int4-plans)."""
     if m <= 16:
+        block_k = max(128, group)
         split, tiles = 1, -(-n // 64)
-        while tiles * split * 2 <= 2 * sms and k % (block_k * split * 2) == 0:
+        while tiles * split * 2 <= 4 * sms and k % (block_k * split * 2) == 0:
             split *= 2
         return Plan(16, 64, block_k, split, 4, 3)
-    return Plan(64, 128, block_k, 1, 4, 3)
+    return Plan(64, 128, max(64, group), 1, 4, 3)
 
 
 def fits(n: int, k: int, group: int) -> bool:
     """Whether a [N, K] weight of this group size takes the kernel: K in whole steps of
-    BLOCK_K, each step whole groups."""
-    block_k = plan(1, n, k, group).block_k
+    either plan's BLOCK_K, each step whole groups."""
+    block_k = max(plan(1, n, k, group).block_k, plan(DEQUANT_ROWS, n, k, group).block_k)
     return k % block_k == 0 and block_k % group == 0 and k % PACK == 0
 
 

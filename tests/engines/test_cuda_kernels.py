@@ -92,7 +92,7 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
     ("int4_kernel", "_int4_mm_kernel", "decode"): (  # split: float32 parts
         {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
          "N": "i32", "K": "i32"},
-        {"GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4,
+        {"GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
     ("int4_kernel", "_int4_mm_kernel", "one row"): (
         {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
