@@ -102,9 +102,10 @@ def short_during_long(url: str, model: str, engine: str | None, long_tokens: int
 # -- the server -------------------------------------------------------------------------------
 
 
-def start_server(args, *, prefix_cache: bool = False) -> tuple[subprocess.Popen, str]:
+def start_server(args, *, prefix_cache: bool = False,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """prefix_cache off by default: repeats send the same prompts, and the references prefill
-    every one."""
+    every one. env: more environment variables for the server."""
     import httpx
 
     port = args.port
@@ -116,7 +117,7 @@ def start_server(args, *, prefix_cache: bool = False) -> tuple[subprocess.Popen,
         cmd += ["--engine", args.engine]
     log = open(args.server_log, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:

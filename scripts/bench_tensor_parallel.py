@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import sys
 import time
@@ -79,16 +78,7 @@ def run_config(args, config: str, levels: list[int]) -> dict:
                                   "serve_args": ["--tensor-parallel", str(ranks), *args.serve_args],
                                   "engine": "torch",
                                   "server_log": f"{args.server_log}-{config}.log"})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        proc, url = start_server(serve)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+    proc, url = start_server(serve, env=env)
     ready_s = time.time() - started
     out = {"config": config, "model": model, "ranks": ranks, "env": env,
            "ready_s": round(ready_s, 1), "levels": {}}

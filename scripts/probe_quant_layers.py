@@ -48,6 +48,7 @@ def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
     """Microseconds of duet's int4 kernel on a random [N, K] weight in each plan that fits."""
     import torch
 
+    from engines.device import cuda_multiprocessors
     from engines.torch_engine import int4_kernel, quant
 
     w = torch.randn(n, k, device="cuda") * 0.02
@@ -55,8 +56,7 @@ def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
     qw = int4_kernel.pack(q)
     sc, ze = (t.t().contiguous().to(torch.bfloat16) for t in (scale, zero))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    chosen = int4_kernel.plan(rows, n, k, group, torch.cuda.get_device_properties(0)
-                              .multi_processor_count)
+    chosen = int4_kernel.plan(rows, n, k, group, cuda_multiprocessors(0))
     out = {f"chosen {chosen}": round(microseconds(
         lambda x: int4_kernel.launch(x, qw, sc, ze, group, chosen), x), 1)}
     for block_n, block_k, split, warps, stages in INT4_PLANS:
