@@ -5,7 +5,7 @@ also as the bandwidth its weight's bytes were read at.
 
   python scripts/probe_quant_layers.py --rows 1,64
 
-With --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (144) beside the one
+With --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
 int4_kernel.plan() picks (the kernel's tuning, measured in one call).
 
   python scripts/probe_quant_layers.py --rows 1,16,64 --int4-plans
@@ -40,8 +40,9 @@ def microseconds(fn, x, n: int = 20) -> float:
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --int4-plans at one row (BLOCK_M 1, the
 # reduction, and 16), a few (BLOCK_M 16) and many (BLOCK_M 64, no split).
-INT4_PLANS = [(n, bk, split, w, st) for n in (32, 64, 128) for bk in (64, 128, 256)
-              for split in (1, 2, 4, 8) for w in (4, 8) for st in (3, 4)]
+# Three pipeline stages only: a matrix-vector product has no reuse for deeper ones to feed.
+INT4_PLANS = [(n, bk, split, w, 3) for n in (32, 64, 128) for bk in (128, 256)
+              for split in (1, 2, 4, 8) for w in (4, 8)]
 
 
 def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:

@@ -123,18 +123,21 @@ class Plan:
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
     """Few rows (decode): tiles of 16 rows (the tensor cores' least; a tile of 1 row, which
-    reduces without them, is the kernel's other form) by 64 columns, 128 inputs a step (4 KB
-    of weights a load), and the inputs split until there are about four programs an SM (a
-    product of 4,096 columns has only 64 tiles of them): a matrix-vector product is bound by
-    the bytes in flight. More rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step, no
-    split. A first guess, to be tuned on the GPU (probe_quant_layers.py --int4-plans)."""
-    if m <= 16:
-        block_k = max(128, group)
-        split, tiles = 1, -(-n // 64)
-        while tiles * split * 2 <= 4 * sms and k % (block_k * split * 2) == 0:
-            split *= 2
-        return Plan(16, 64, block_k, split, 4, 3)
-    return Plan(64, 128, max(64, group), 1, 4, 3)
+    reduces without them, is the kernel's other form) by 128 columns, 128 inputs a step. More
+    rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
+    (up to 8 ways) until there are about four programs an SM: a product of 4,096 columns has
+    only 32 tiles of them, and a matrix-vector product is bound by the bytes in flight.
+
+    Tuned on an H100 at one row (probe_quant_layers.py --int4-plans, 2026-11-26): over 48
+    tilings of each 8B layer the fastest were 128 columns, 4 warps, split 4-8 ways, tiles of
+    16 rows (the one-row form was 1.3-1.7x slower); the 64-row tiles' split is not measured."""
+    block_m, block_k = (16, max(128, group)) if m <= 16 else (64, max(64, group))
+    # Counted in columns only, so a layer's plan is the same for 17 rows as for 256: a row's
+    # bits change with its batch only where the tiles do (16 rows and over).
+    split, tiles = 1, -(-n // 128)
+    while split < 8 and tiles * split <= 4 * sms and k % (block_k * split * 2) == 0:
+        split *= 2
+    return Plan(block_m, 128, block_k, split, 4, 3)
 
 
 def fits(n: int, k: int, group: int) -> bool:

@@ -148,13 +148,13 @@ def test_int4_plan_tiles_whole_groups_and_fills_the_gpu_at_a_few_rows(m, n, k, g
     p = int4_kernel.plan(m, n, k, group, sms=132)
     assert p.block_k % group == 0 and k % (p.block_k * p.split_k) == 0
     assert p.block_k % int4_kernel.PACK == 0 and p.block_m >= 16  # the tensor cores' least
-    programs = -(-m // p.block_m) * -(-n // p.block_n) * p.split_k
-    if m <= 16:
-        assert p.block_m == 16
-        assert programs > 132  # more programs than SMs: split where the columns are few
-        assert p.split_k == 1 or programs <= 4 * 132
-    else:
-        assert p.split_k == 1
+    assert p.block_m == (16 if m <= 16 else 64)
+    columns = -(-n // p.block_n)
+    # Split where the columns are few, until there are more programs than SMs, and not past
+    # 8 ways or about 8 programs an SM.
+    assert columns * p.split_k > 132 or p.split_k == 8
+    assert p.split_k == 1 or columns * p.split_k <= 8 * 132
+    assert p == int4_kernel.plan(min(m + 1, 16) if m <= 16 else 256, n, k, group, sms=132)
 
 
 def test_int4_layer_whose_inputs_do_not_split_into_groups_is_int8():
