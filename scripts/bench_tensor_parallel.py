@@ -134,12 +134,15 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     name, bandwidth = gpu()
+    out = args.out or ROOT / "docs" / "bench" / f"tensor-parallel-{dt.date.today()}.json"
     results = []
     for config in args.configs.split(","):
         results.append(run_config(args, config, levels))
         floor = bandwidth and rank_weight_bytes(results[-1]["model"],
                                                 results[-1]["ranks"]) / bandwidth
         results[-1]["batch1_floor_tok_s"] = round(1 / floor, 1) if floor else None
+        # Written after each configuration too: a run cut short keeps what it measured.
+        write_result(out, summary(args, name, results))
     one: dict[str, dict] = {}
     for r in results:  # each model's first run on one GPU is the baseline
         if r["ranks"] == 1:
@@ -158,13 +161,15 @@ def main() -> int:
         print(f"{r['config']:<28} {r['ready_s']:>8} "
               + " ".join(f"{r['levels'][n]['aggregate_tok_s']:>10,.0f}" for n in levels)
               + f"   {ratios:<15} {r['batch1_floor_tok_s'] or '-'}")
-    result = {"date": dt.date.today().isoformat(), "device": name,
-              "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "max_batch": args.max_batch,
-              "command": " ".join(sys.argv), "results": results}
-    write_result(args.out or ROOT / "docs" / "bench" / f"tensor-parallel-{result['date']}.json",
-                 result)
+    write_result(out, summary(args, name, results))
     return 0
+
+
+def summary(args, device: str, results: list[dict]) -> dict:
+    return {"date": dt.date.today().isoformat(), "device": device,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "max_batch": args.max_batch,
+            "command": " ".join(sys.argv), "results": results}
 
 
 if __name__ == "__main__":

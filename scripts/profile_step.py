@@ -99,7 +99,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--compile", default="auto")
     parser.add_argument("--cache", default="/tmp/duet-profile")
-    parser.add_argument("--trace", default=None, help="write a Chrome trace of B=max here")
+    parser.add_argument("--trace", default=None,
+                        help="write a Chrome trace of B=max's decode steps here (and of its "
+                             "prefill beside it, .prefill.json, with --prefill-kernels)")
     parser.add_argument("--model-dir", default=None, help="this model directory, not --model")
     parser.add_argument("--feature", default="none",
                         help="none or bench_features.py's features, comma-separated")
@@ -155,6 +157,15 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
     timer.wrap(ex, "_in_flight", "wait for the last tokens")
     timer.wrap(ex._processor._masks, "take", "grammar: tokens taken in")
     timer.wrap(ex._processor._masks, "compute", "grammar masks (on the worker if pipelined)")
+    # One request through first, so the prefill profiled below is not the process's first of
+    # its shape (allocator growth, kernels chosen on first use).
+    from dataclasses import replace
+
+    runtime.add(Submission([(5 * j) % 9000 + 100 for j in range(args.prompt_tokens)],
+                           replace(params, max_tokens=2), lambda e: None))
+    while runtime.has_work:
+        runtime.step()
+    timer.spent.clear()
     prompts = [[(31 * i + 7 * j) % 9000 + 100 for j in range(args.prompt_tokens)]
                for i in range(b)]
     for p in prompts:
@@ -166,6 +177,8 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
         while any(live.out.n == 0 for live in runtime._live.values()):
             runtime.step()
     if profiler is not None:
+        if args.trace and b == max(int(n) for n in args.batches.split(",")):
+            profiler.export_chrome_trace(str(Path(args.trace).with_suffix(".prefill.json")))
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             print(f"prefill B={b}, by {key}:\n" + profiler.key_averages().table(
                 sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
