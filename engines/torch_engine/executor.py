@@ -148,7 +148,7 @@ class TorchExecutor:
         if any(r.sampling.logprobs is not None for r in due):
             launched.scored = token_logprobs(whole, tokens, due)
         if self.ranks is not None and self.pipelined:
-            self.ranks.share(tokens)  # the ranks' next step takes its PENDING tokens here
+            self.model.token_share.send(tokens)  # the ranks' next step takes its PENDING tokens
         launched.pending = self._readback.start(tokens)
         if self.pipelined:
             self._last = (tokens, {r.seq_id: i for i, r in enumerate(due)})

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..base import UnsupportedModel
 from .config import ModelArgs
-from .tensor_parallel import Sums, VocabSplit
+from .tensor_parallel import Sums, TokenShare, VocabSplit
 
 
 class KVCache(nn.Module):
@@ -212,6 +212,7 @@ class Transformer(nn.Module):
         self.mirror = None
         self.sums: Sums | None = None  # every layer's, under tensor parallelism
         self.vocab_split: VocabSplit | None = None  # the decode step's, under it
+        self.token_share: TokenShare | None = None  # a pipelined step's tokens, under it
 
     def scratch_cache(self, max_len: int):
         """A contiguous batch-1 cache for max_len positions, for work outside the runtime's

@@ -23,7 +23,11 @@ Only 16-bit floats (negative zero is 0x8000 in both) and sums of up to `capacity
 this way; the rest, and the CPU, go through the process group's all-reduce (tensor_parallel.Sums).
 
 A gather to rank 0 (a decode step's logits, each rank's share of the vocabulary) works the same
-way into rank 0's buffer alone; the other ranks send and go on."""
+way into rank 0's buffer alone; the other ranks send and go on. A share from rank 0 (a
+pipelined step's sampled tokens, which the other ranks' next step takes its inputs from) is the
+gather turned round: rank 0 writes the token ids into every other rank's buffer and goes on;
+each of them waits for its own (ids are never negative, and an empty pair of int16 reads as a
+negative int32)."""
 
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ from .decode_attention import triton
 log = logging.getLogger("duet.engines.torch")
 
 EMPTY = -32768  # 0x8000 as int16: negative zero in bfloat16 and float16
+EMPTY32 = -2147450880  # 0x80008000: two EMPTY int16, as one int32 (a share's empty token)
+SHARE_BLOCK = 256
 PHASES = 2
 BLOCK, MAX_BLOCK = 1024, 4096  # elements a program moves at once: the least, the most
 # Programs a sum may have: two an SM at most (each of 8 warps or fewer, so two fit), every
@@ -70,6 +76,7 @@ if triton is not None:
     import triton.language as tl
 
     _EMPTY = tl.constexpr(EMPTY)
+    _EMPTY32 = tl.constexpr(EMPTY32)
 
     @triton.jit
     def _send(X, Ptrs, offs, ok, rank, slot_stride, phase_offset, WORLD: tl.constexpr):
@@ -162,6 +169,43 @@ if triton is not None:
                 for r in tl.static_range(1, WORLD):
                     tl.store(out + r * part, _arrived(first + r * slot_stride + offs, ok),
                              mask=ok)
+
+
+    @triton.jit
+    def _peer_share_kernel(X, Out, Ptrs, rank, n, phase_offset, WORLD: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """Rank 0: X's ids (int64) as int32 into every other rank's buffer. Another rank: its
+        buffer's ids into Out once every one has arrived, their places emptied."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        if rank == 0:
+            ids = tl.load(X + offs, mask=ok, other=0).to(tl.int32)
+            for r in tl.static_range(1, WORLD):
+                dst = tl.load(Ptrs + r).to(tl.pointer_type(tl.int32))
+                tl.store(dst + phase_offset + offs, ids, mask=ok)
+        else:
+            own = tl.load(Ptrs + rank).to(tl.pointer_type(tl.int32)) + phase_offset
+            ids = tl.load(own + offs, mask=ok, other=0, volatile=True)
+            while tl.min(ids, axis=0) < 0:
+                ids = tl.load(own + offs, mask=ok, other=0, volatile=True)
+            tl.store(own + offs, tl.full(ids.shape, _EMPTY32, tl.int32), mask=ok)
+            tl.store(Out + offs, ids.to(tl.int64), mask=ok)
+
+
+def share(ids: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
+          phase: int) -> torch.Tensor:
+    """Rank 0: ids [n] (int64, never negative) sent to every other rank, and ids back. Another
+    rank: the n ids rank 0 sent (ids gives n and the device; its values are not read). Every
+    rank calls it at the same point, alternating phases (0, 1, 0, ...): rank 0 may write a
+    phase again only after every rank read it, which holds since each step's forward sums over
+    the ranks between two shares. Called eagerly, outside the captured steps."""
+    n, world = ids.numel(), ptrs.numel()
+    _fits(n, capacity)
+    out = ids if rank == 0 else torch.empty(n, dtype=torch.int64, device=ids.device)
+    _peer_share_kernel[(triton.cdiv(n, SHARE_BLOCK),)](ids.contiguous(), out, ptrs, rank, n,
+                                                       phase * capacity, WORLD=world,
+                                                       BLOCK=SHARE_BLOCK)
+    return out
 
 
 def _fits(n: int, capacity: int) -> None:
@@ -284,6 +328,26 @@ class PeerGather:
         return torch.ops.duet.peer_gather(x, self.buffers.ptrs, self.rank, self.capacity)
 
 
+class PeerShare:
+    """One rank's handle on the ranks' share buffers: send() on rank 0, receive() on the
+    others, each call taking the next phase."""
+
+    def __init__(self, buffers: PeerBuffers, rank: int, capacity: int):
+        self.buffers, self.rank, self.capacity = buffers, rank, capacity
+        self._phase = 0
+
+    def _next(self) -> int:
+        phase, self._phase = self._phase, self._phase ^ 1
+        return phase
+
+    def send(self, ids: torch.Tensor) -> None:
+        share(ids, self.buffers.ptrs, self.rank, self.capacity, self._next())
+
+    def receive(self, n: int) -> torch.Tensor:
+        template = torch.empty(n, dtype=torch.int64, device=self.buffers.ptrs.device)
+        return share(template, self.buffers.ptrs, self.rank, self.capacity, self._next())
+
+
 def buffer_elements(world: int, capacity: int) -> int:
     return PHASES * world * capacity
 
@@ -357,6 +421,36 @@ def create_gather(group, device: str, rows: int, part: int,
                     "projection stays whole on rank 0")
         return None
     return gather
+
+
+def known_shares(rows: int, device: str = "cpu") -> list[torch.Tensor]:
+    """create_share's check: a few ids, then `rows` of them (one phase each), ids past 2**16
+    among them (an id's int16 halves may read as empty alone)."""
+    return [torch.arange(n, dtype=torch.int64, device=device) * 40_503 + n
+            for n in (min(3, rows), rows)]
+
+
+def create_share(group, device: str, rows: int, dtype: torch.dtype) -> PeerShare | None:
+    """Collective, as create: every rank's buffer for shares of up to `rows` token ids from
+    rank 0, checked on two known shares (both phases); None on every rank where any rank
+    cannot."""
+    rank = dist.get_rank(group)
+    buffers = _mapped(group, device, PHASES * 2 * rows, dtype)  # int16 pairs: int32 ids
+    if buffers is None:
+        return None
+    peer = PeerShare(buffers, rank, rows)
+    right = True
+    for want in known_shares(rows, device):
+        if rank == 0:
+            peer.send(want)
+        else:
+            right &= bool(torch.equal(peer.receive(n), want))
+    right &= bool((buffers.buffer == EMPTY).all())  # each emptied as it was read
+    if not _everyone(right, device, group):
+        log.warning("tensor parallelism: the peer share's check failed: a pipelined step's "
+                    "tokens go through the group's broadcast")
+        return None
+    return peer
 
 
 def _everyone(ok: bool, device: str, group) -> bool:

@@ -4,7 +4,7 @@ by rank 0 (ranks.py) with FD its end of a socket pair.
 It loads its share of the model, allocates its share of the KV pool as rank 0 sized it, captures
 its decode steps beside rank 0's, then runs every forward rank 0 tells it, in order: its heads'
 part of each layer, summed with the other ranks'. It never samples: a pipelined step's tokens
-come from rank 0's broadcast."""
+come from rank 0 (tensor_parallel.TokenShare)."""
 
 from __future__ import annotations
 
@@ -73,10 +73,7 @@ class Rank:
                         self.model.hidden_paged(batch, self.kv).sum()  # waits for its sums
             due = [r.seq_id for r in (*prefill, *decode) if r.sample]
             if share and due:
-                import torch.distributed as dist
-
-                tokens = torch.empty(len(due), dtype=torch.long, device=self.device)
-                dist.broadcast(tokens, src=0)
+                tokens = self.model.token_share.receive(len(due), self.device)
                 self._last = (tokens, {seq_id: i for i, seq_id in enumerate(due)})
         self.meter.sample()
 

@@ -5,8 +5,9 @@ per GPU, joined in one torch.distributed group (NCCL on CUDA, gloo on the CPU).
 Each step's plan reaches every rank before rank 0 runs it: rank 0 sends it down a socket to
 each rank (the rows' tokens, positions and KV blocks, no sampling settings), and every rank runs
 the same forward over its own heads, the group's all-reduces pairing them layer by layer. Only
-rank 0 samples; when its decode step is pipelined (CUDA graphs), it broadcasts the step's tokens
-over the group, since the next step's inputs are taken on the device from them. Forwards outside
+rank 0 samples; when its decode step is pipelined (CUDA graphs), it shares the step's tokens
+with the other ranks (tensor_parallel.TokenShare), since the next step's inputs are taken on
+the device from them. Forwards outside
 the steps (scoring) are told to the ranks the same way (model.mirror), all from the engine's one
 thread, so every rank meets the collectives in one order.
 
@@ -187,14 +188,8 @@ class RankGroup:
 
     def step(self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq],
              share: bool) -> None:
-        """Tell the ranks a step; share: rank 0 will broadcast its sampled tokens after it."""
+        """Tell the ranks a step; share: rank 0 will share its sampled tokens after it."""
         self._send(("step", slim(prefill), slim(decode), share))
-
-    @staticmethod
-    def share(tokens: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast(tokens, src=0)
 
     def mirror(self, what: str, *args) -> None:
         """model.mirror: a forward outside the steps (scratch_cache, forward)."""

@@ -95,6 +95,34 @@ class VocabSplit:
         return self.gather(torch.nn.functional.linear(normed, self.weight))
 
 
+@dataclass
+class TokenShare:
+    """How a pipelined step's tokens, sampled on rank 0, reach the other ranks (whose next step
+    takes its inputs from them on the device): the group's broadcast, or with
+    DUET_TP_TOKEN_SHARE=peer (where the peer sums are) through peer memory
+    (peer_sum.PeerShare: rank 0 writes and goes on). The broadcast is the one NCCL call left in
+    a decode step, each rank's next step waiting on its kernel and stream events; the peer share
+    is opt-in until measured against it (its first measurement on two H100s was cut short)."""
+
+    group: object
+    peer: peer_sum.PeerShare | None = None
+
+    def send(self, tokens: torch.Tensor) -> None:
+        """Rank 0."""
+        if self.peer is not None:
+            self.peer.send(tokens)
+        else:
+            dist.broadcast(tokens, src=0, group=self.group)
+
+    def receive(self, n: int, device: str) -> torch.Tensor:
+        """Another rank: rank 0's n tokens (int64, on the device)."""
+        if self.peer is not None:
+            return self.peer.receive(n)
+        tokens = torch.empty(n, dtype=torch.long, device=device)
+        dist.broadcast(tokens, src=0, group=self.group)
+        return tokens
+
+
 # The peer sums' buffers hold a prefill forward's sums up to this many tokens (the CUDA default
 # budget): 64 MB a rank for the 8B shape (hidden 4096, bf16, two phases, two ranks).
 MAX_PEER_TOKENS = 2048
@@ -105,7 +133,7 @@ def use_peer_sums(model, device: str, rows: int, tokens: int) -> None:
     `rows` rows (a decode step's) or `tokens` tokens (a prefill forward's, up to
     MAX_PEER_TOKENS) through peer sums where every rank can make them, and then its decode
     step's vocabulary projection split over the ranks (a plain float projection whose rows
-    divide by the ranks)."""
+    divide by the ranks), and its sampled tokens shared from rank 0 through peer memory."""
     if model.sums is None:
         return
     group = model.sums.group
@@ -121,11 +149,15 @@ def use_peer_sums(model, device: str, rows: int, tokens: int) -> None:
             rank = dist.get_rank(group)
             model.vocab_split = VocabSplit(
                 model.lm_head.weight[rank * part:(rank + 1) * part], gather)
-    log.info("tensor parallelism: sums %s; the decode step's vocabulary projection %s",
+    if model.sums.peer is not None and os.environ.get("DUET_TP_TOKEN_SHARE") == "peer":
+        model.token_share.peer = peer_sum.create_share(group, device, rows, dtype)
+    log.info("tensor parallelism: sums %s; the decode step's vocabulary projection %s; its "
+             "sampled tokens to the other ranks %s",
              f"of up to {model.sums.peer.capacity // model.args.hidden_size} rows through peer "
              "sums, larger through the group's all-reduce" if model.sums.peer else
              "through the group's all-reduce",
-             "split over the ranks" if model.vocab_split else "whole on rank 0")
+             "split over the ranks" if model.vocab_split else "whole on rank 0",
+             "through peer memory" if model.token_share.peer else "by the group's broadcast")
 
 
 def check_splits(args: ModelArgs, world: int) -> None:
@@ -142,6 +174,7 @@ def split_modules(model, shard: Shard, group) -> None:
     group: the ranks' process group its blocks sum over."""
     args = model.args
     model.sums = sums = Sums(group)
+    model.token_share = TokenShare(group)
     check_splits(args, shard.world)
     d, w = args.hidden_size, shard.world
     for layer in model.model.layers:

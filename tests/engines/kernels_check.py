@@ -343,6 +343,28 @@ def check_peer_gather(device: str = "cpu") -> None:
         assert all((b == ps.EMPTY).all() for b in bufs[1:]), "a gather wrote past rank 0"
 
 
+def check_peer_share(device: str = "cpu") -> None:
+    """Rank 0's token ids to ranks 1 and 2 in one process: rank 0 sends and goes on, each other
+    rank receives the ids (up to the vocabularies' sizes and past 2**16, whose int16 halves
+    may look empty alone), in the phase it is given, and empties what it read; rank 0's buffer
+    is never written; the other phase is left alone."""
+    from engines.torch_engine import peer_sum as ps
+
+    world, capacity = 3, 2 * ps.SHARE_BLOCK + 5
+    bufs, ptrs = peer_buffers(world, ps.PHASES * 2 * capacity, device)
+    for phase, n in ((0, 1), (1, capacity), (0, ps.SHARE_BLOCK + 1)):
+        ids = torch.randint(0, 200_000, (n,), dtype=torch.int64, device=device)
+        ids[0] = 32_768  # low half 0x8000: EMPTY as int16
+        assert ps.share(ids, ptrs, 0, capacity, phase) is ids
+        other = bufs[1].view(torch.int32)[(1 - phase) * capacity:(2 - phase) * capacity]
+        assert (other == ps.EMPTY32).all(), "a share wrote into the other phase"
+        for rank in (1, 2):
+            got = ps.share(torch.empty(n, dtype=torch.int64, device=device), ptrs, rank,
+                           capacity, phase)
+            assert torch.equal(got, ids), (rank, phase, n)
+        assert all((b == ps.EMPTY).all() for b in bufs), "a buffer is not empty after a share"
+
+
 if __name__ == "__main__":
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     check_op(device=device)
@@ -354,6 +376,7 @@ if __name__ == "__main__":
         check_peer_sum(device)
         check_peer_sum_norm(device)
         check_peer_gather(device)
+        check_peer_share(device)
     check_model(window=None, device=device)
     check_model(window=8, device=device)
     print("kernels: ok")
