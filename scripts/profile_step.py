@@ -101,7 +101,8 @@ def main() -> int:
     parser.add_argument("--cache", default="/tmp/duet-profile")
     parser.add_argument("--trace", default=None,
                         help="write a Chrome trace of B=max's decode steps here (and of its "
-                             "prefill beside it, .prefill.json, with --prefill-kernels)")
+                             "prefill beside it, .prefill.json, with --prefill-kernels; with "
+                             "--tensor-parallel, each other rank's first steps, .rankN.json)")
     parser.add_argument("--model-dir", default=None, help="this model directory, not --model")
     parser.add_argument("--feature", default="none",
                         help="none or bench_features.py's features, comma-separated")
@@ -118,6 +119,10 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     path = (Path(args.model_dir) if args.model_dir
             else write_dummy_model(args.model, Path(args.cache) / args.model))
+    if args.trace and args.tensor_parallel > 1:  # the other ranks trace their first steps
+        import os
+
+        os.environ["DUET_RANK_TRACE"] = str(Path(args.trace).with_suffix(""))
     started = time.perf_counter()
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
                          compile=args.compile, max_batch=max(batches),

@@ -93,12 +93,15 @@ class Rank:
                                        "peak": self.meter.peak_bytes()}))
 
     def serve(self) -> None:
+        trace = StepTrace.from_env(self.spec.rank)
         while True:
             msg = self.conn.recv()
             kind = msg[0]
             if kind == "step":
                 self.step(*msg[1:])
                 self.report()
+                if trace is not None and trace.stepped():
+                    trace = None
             elif kind == "scratch":
                 self.scratch(msg[1])
             elif kind == "scratch_end":
@@ -116,6 +119,39 @@ class Rank:
                 return
             else:
                 raise ValueError(f"unknown message {kind!r}")
+
+
+class StepTrace:
+    """torch.profiler over this rank's first STEPS steps, written as a Chrome trace to
+    $DUET_RANK_TRACE.rank<N>.json: the other ranks' side of the steps that
+    scripts/profile_step.py --trace profiles on rank 0 (a slow rank holds every rank up at the
+    next sum, and rank 0's trace shows only its wait)."""
+
+    STEPS = 24  # a first request's prefill and tokens, then a profiled prefill and ~20 steps
+
+    def __init__(self, path: str):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.path, self.steps = path, 0
+        self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self.profiler.start()
+
+    @classmethod
+    def from_env(cls, rank: int) -> StepTrace | None:
+        stem = os.environ.get("DUET_RANK_TRACE")
+        return cls(f"{stem}.rank{rank}.json") if stem else None
+
+    def stepped(self) -> bool:
+        """Count a step; at the last, write the trace and return True."""
+        self.steps += 1
+        if self.steps < self.STEPS:
+            return False
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.stop()
+        self.profiler.export_chrome_trace(self.path)
+        log.info("wrote a trace of this rank's first %d steps to %s", self.steps, self.path)
+        return True
 
 
 def _watch_parent() -> None:

@@ -218,6 +218,45 @@ def test_a_step_failing_on_rank_0_alone_stops_the_engine(tiny_dirs, monkeypatch)
     assert "out of step" in str(events[-1]) and "out of step" in stopped[0]
 
 
+def test_a_rank_traces_its_first_steps_when_asked(tiny_dirs, monkeypatch, tmp_path):
+    """DUET_RANK_TRACE (profile_step.py --trace sets it): rank 1 writes a Chrome trace of its
+    first StepTrace.STEPS steps, its forwards in it, and goes on serving."""
+    import json
+
+    from engines.torch_engine.rank_worker import StepTrace
+
+    monkeypatch.setenv("DUET_RANK_TRACE", str(tmp_path / "trace"))
+    two = engine(tiny_dirs["llama"][0], 2)
+    try:
+        params = [SamplingParams(max_tokens=StepTrace.STEPS + 4, temperature=0.0,
+                                 ignore_eos=True)]
+        got = run_batch(two, params, [0], [PROMPTS[1]])
+        assert len(got[0]) == StepTrace.STEPS + 4
+        path = tmp_path / "trace.rank1.json"
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+        assert "aten::_fused_rms_norm" in names and any("allreduce" in str(n) for n in names)
+        assert not (tmp_path / "trace.rank0.json").exists()  # rank 0 is the caller's to trace
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_the_peer_shares_check_fits_any_batch(rows):
+    """create_share checks the share at load with known ids: each fits a batch of `rows` (a
+    check of 3 ids once failed every load with --max-batch 1 or 2), and the last is a full
+    batch with ids past 2**16."""
+    from engines.torch_engine.peer_sum import known_shares
+
+    shares = known_shares(rows)
+    assert all(0 < len(s) <= rows for s in shares) and len(shares[-1]) == rows
+    assert all((s >= 0).all() for s in shares)
+    if rows > 2:
+        assert shares[-1].max() >= 2 ** 16
+
+
 def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
     args = ModelArgs.from_hf(read_config(tiny_dirs["llama"][0]))  # 4 heads, 2 KV heads
     check_splits(args, 2)
