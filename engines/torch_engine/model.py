@@ -154,7 +154,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if self.act_kernel:
+        # The kernel is the decode step's (see silu_mul.py); a prefill's rows, run eagerly,
+        # take the two plain ops, which cost the host less than a Triton launch does.
+        if self.act_kernel and (x.shape[-2] == 1 or torch.compiler.is_compiling()):
             return self.down_proj(torch.ops.duet.silu_mul(gate_up))
         gate, up = gate_up.split(self.hidden, dim=-1)
         return self.down_proj(F.silu(gate) * up)

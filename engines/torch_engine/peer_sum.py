@@ -220,6 +220,13 @@ def peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
     one per rank, each of PHASES x ranks x capacity int16 elements); every rank calls it with
     its own x and rank at the same point. Opaque to torch.compile: its writes to the buffers
     are nothing Inductor may move."""
+    return _peer_sum(x, ptrs, rank, capacity, phase)
+
+
+def _peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
+              phase: int) -> torch.Tensor:
+    """peer_sum itself, which an eager forward (a prefill's, 64 sums for the 8B shape) calls
+    without the op's dispatch."""
     flat = x.contiguous().view(-1)
     out = torch.empty_like(flat)
     n, world = flat.numel(), ptrs.numel()
@@ -308,7 +315,8 @@ class PeerSum:
         return x.dtype == self.dtype and x.numel() <= self.capacity
 
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:
-        return torch.ops.duet.peer_sum(x, self.buffers.ptrs, self.rank, self.capacity, phase)
+        op = torch.ops.duet.peer_sum if torch.compiler.is_compiling() else _peer_sum
+        return op(x, self.buffers.ptrs, self.rank, self.capacity, phase)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float, phase: int) -> tuple[torch.Tensor, torch.Tensor]:
