@@ -73,16 +73,48 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
                         other=0.0)
             w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K, BLOCK_N)
-            if BLOCK_M == 1:  # one row: a reduction over the inputs, no tensor cores
-                acc += tl.sum(w.to(tl.bfloat16).to(tl.float32)
-                              * tl.reshape(x.to(tl.float32), (BLOCK_K, 1)), axis=0)[None, :]
-            elif BF16_DOT:
+            if BF16_DOT:
                 acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
             else:  # Triton's interpreter multiplies bfloat16 as raw bits: its tests' path
                 acc += tl.dot(x.to(tl.float32), w.to(tl.bfloat16).to(tl.float32),
                               input_precision="ieee")
         out = Out + pid_k * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _int4_gemv_kernel(X, QW, Scales, Zeros, Out, N, K, GROUP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """One row (a decode step's matrix-vector product): Out[pid_k, 0, N] = x @
+        dequant(QW) over this program's share of K, without dequantizing a weight: each weight
+        adds its 4 bits times x_k times its group's scale, in float32, and each group's zero
+        and the 8 the bits are offset by come in once a group (sum_k x_k times zero - 8 scale).
+        The bits become a float through its bits, not a conversion (an int-to-float runs at a
+        quarter of the rate or less on the GPU): q | 0x44800000 is the float 1024 + q / 8192
+        exactly, and less 1024 exactly q / 8192. Products are summed over the inputs once, at
+        the end: a sum over each group's inputs every step made the threads trade partial sums
+        (hundreds of shuffles a step)."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        groups: tl.constexpr = BLOCK_K // GROUP
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        offsets = tl.zeros((groups, BLOCK_N), dtype=tl.float32)
+        per_split = K // SPLIT_K
+        for start in range(pid_k * per_split, (pid_k + 1) * per_split, BLOCK_K):
+            words = tl.load(QW + (start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * N
+                            + cols[None, :], mask=col_ok[None, :], other=0)
+            q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            small = tl.reshape((q | 0x44800000).to(tl.float32, bitcast=True) - 1024.0,
+                               (BLOCK_K, BLOCK_N))  # q / 8192
+            x = tl.load(X + start + tl.arange(0, BLOCK_K)).to(tl.float32)
+            g = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
+            scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            acc += small * (x[:, None] * _spread(scale * 8192.0, GROUP, BLOCK_K, BLOCK_N))
+            xsum = tl.sum(tl.reshape(x, (groups, GROUP)), axis=1)
+            offsets += xsum[:, None] * (zero - 8.0 * scale)
+        total = tl.sum(acc, axis=0) + tl.sum(offsets, axis=0)
+        tl.store(Out + pid_k * N + cols, total.to(Out.dtype.element_ty), mask=col_ok)
 
     @triton.jit
     def _dequant_kernel(QW, Scales, Zeros, W, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -111,7 +143,7 @@ if triton is not None:
 @dataclass(frozen=True)
 class Plan:
     """A product's tiles: BLOCK_M rows, BLOCK_N columns, BLOCK_K inputs a step, the inputs split
-    SPLIT_K ways."""
+    SPLIT_K ways. BLOCK_M 1 is the matrix-vector kernel (_int4_gemv_kernel), for one row."""
 
     block_m: int
     block_n: int
@@ -122,15 +154,16 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
-    """Few rows (decode): tiles of 16 rows (the tensor cores' least; a tile of 1 row, which
-    reduces without them, is the kernel's other form) by 128 columns, 128 inputs a step. More
+    """Few rows (decode): tiles of 16 rows (the tensor cores' least; the matrix-vector
+    kernel, for one row, is not yet measured on a GPU) by 128 columns, 128 inputs a step. More
     rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
     (up to 8 ways) until there are about four programs an SM: a product of 4,096 columns has
     only 32 tiles of them, and a matrix-vector product is bound by the bytes in flight.
 
     Tuned on an H100 at one row (probe_quant_layers.py --int4-plans, 2026-11-26): over 48
     tilings of each 8B layer the fastest were 128 columns, 4 warps, split 4-8 ways, tiles of
-    16 rows (the one-row form was 1.3-1.7x slower); the 64-row tiles' split is not measured."""
+    16 rows (a one-row form then, which dequantized each weight, was 1.3-1.7x slower); the
+    64-row tiles' split is not measured."""
     block_m, block_k = (16, max(128, group)) if m <= 16 else (64, max(64, group))
     # Counted in columns only, so a layer's plan is the same for 17 rows as for 256: a row's
     # bits change with its batch only where the tiles do (16 rows and over).
@@ -205,11 +238,20 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) \
         if p.split_k > 1 else out
-    grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
-    _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k, GROUP=group,
-                          BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
-                          SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
-                          num_warps=p.warps, num_stages=p.stages)
+    if p.block_m == 1:  # the matrix-vector form
+        if m != 1:
+            raise ValueError(f"a plan of one row multiplies one row, not {m}")
+        _int4_gemv_kernel[(triton.cdiv(n, p.block_n), p.split_k)](
+            x.contiguous(), qweight, scales, zeros, parts, n, k, GROUP=group,
+            BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLIT_K=p.split_k, num_warps=p.warps,
+            num_stages=p.stages)
+    else:
+        grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
+        _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k,
+                              GROUP=group, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+                              BLOCK_K=p.block_k, SPLIT_K=p.split_k,
+                              BF16_DOT=x.device.type == "cuda", num_warps=p.warps,
+                              num_stages=p.stages)
     if p.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n,
                                                              SPLIT_K=p.split_k, BLOCK=SUM_BLOCK)

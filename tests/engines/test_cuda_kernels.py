@@ -101,11 +101,16 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "N": "i32", "K": "i32"},
         {"GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
-    ("int4_kernel", "_int4_mm_kernel", "one row"): (
-        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
-         "N": "i32", "K": "i32"},
-        {"GROUP": 64, "BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2,
-         "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_int4_gemv_kernel", "split"): (
+        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "N": "i32",
+         "K": "i32"},
+        {"GROUP": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4},
+        {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_int4_gemv_kernel", "whole"): (  # GGUF's groups, 4 a step
+        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": PTR16, "N": "i32",
+         "K": "i32"},
+        {"GROUP": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
+        {"num_warps": 4, "num_stages": 3}),
     ("int4_kernel", "_int4_mm_kernel", "prefill"): (  # not split: the result in bfloat16
         {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": PTR16, "M": "i32",
          "N": "i32", "K": "i32"},
