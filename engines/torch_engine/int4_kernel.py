@@ -53,7 +53,10 @@ if triton is not None:
         g = (start // GROUP + tl.arange(0, BLOCK_K // GROUP))[:, None] * N + cols[None, :]
         scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
         zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-        return ((q.to(tl.float32) - 8.0) * _spread(scale, GROUP, BLOCK_K, BLOCK_N)
+        # q - 8 as a float through its bits: q | 0x4B000000 is the float 2**23 + q exactly
+        # (an int-to-float conversion runs at a quarter of the rate or less on the GPU).
+        centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        return (centred * _spread(scale, GROUP, BLOCK_K, BLOCK_N)
                 + _spread(zero, GROUP, BLOCK_K, BLOCK_N))
 
     @triton.jit
