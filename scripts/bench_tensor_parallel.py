@@ -73,15 +73,22 @@ def parse_config(config: str) -> tuple[str, int, dict[str, str]]:
 
 def run_config(args, config: str, levels: list[int]) -> dict:
     model, ranks, env = parse_config(config)
-    started = time.time()
     serve = argparse.Namespace(**{**vars(args), "model": model,
                                   "serve_args": ["--tensor-parallel", str(ranks), *args.serve_args],
                                   "engine": "torch",
                                   "server_log": f"{args.server_log}-{config}.log"})
+    earlier = []
+    for _ in range(args.starts - 1):  # starts that fill the compile caches, then stop
+        started = time.time()
+        proc, _url = start_server(serve, env=env)
+        earlier.append(round(time.time() - started, 1))
+        proc.terminate()
+        proc.wait(120)
+    started = time.time()
     proc, url = start_server(serve, env=env)
     ready_s = time.time() - started
     out = {"config": config, "model": model, "ranks": ranks, "env": env,
-           "ready_s": round(ready_s, 1), "levels": {}}
+           "ready_s": round(ready_s, 1), "earlier_starts_ready_s": earlier, "levels": {}}
     try:
         import httpx
 
@@ -129,6 +136,11 @@ def main() -> int:
     parser.add_argument("--server-log", default="/tmp/duet-bench-server",
                         help="each configuration's server log: this, then -MODEL@RANKS.log")
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--starts", type=int, default=1,
+                        help="start each server this many times and measure the last: the "
+                             "starts before fill Inductor's cache, so that every rank runs the "
+                             "kernels one tuning chose (a cold start tunes each rank's alone), "
+                             "as a server does from its second or third start on")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
