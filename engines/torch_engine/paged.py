@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..runtime.plan import ScheduledSeq
@@ -87,22 +88,24 @@ class PagedBatch:
         return read, mask[:, None]
 
 
+def padded(lists: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """Rows of ints right-padded with zeros to width, int64 [rows, width]: filled in numpy (a
+    tensor made per row cost a 64-row step 0.6 ms of host time on a CPU)."""
+    out = np.zeros((len(lists), width), dtype=np.int64)
+    for i, values in enumerate(lists):
+        out[i, : len(values)] = values
+    return torch.from_numpy(out)
+
+
 def block_table(rows: Sequence[ScheduledSeq], width: int | None = None) -> torch.Tensor:
-    width = width or max(len(r.blocks) for r in rows)
-    table = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.long)
-    return table
+    return padded([r.blocks for r in rows], width or max(len(r.blocks) for r in rows))
 
 
 def build_batch(rows: Sequence[ScheduledSeq], kv: PagedKV, max_len: int, window: int | None,
                 device: str) -> PagedBatch:
     bs = kv.block_size
     t = max(len(r.tokens) for r in rows)
-    n = len(rows)
-    tokens = torch.zeros(n, t, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r.tokens)] = torch.tensor(r.tokens)
+    tokens = padded([r.tokens for r in rows], t)
     lengths = torch.tensor([len(r.tokens) for r in rows])
     starts = torch.tensor([r.start for r in rows])
     offs = torch.arange(t)
