@@ -438,6 +438,18 @@ def known_shares(rows: int, device: str = "cpu") -> list[torch.Tensor]:
             for n in (min(3, rows), rows)]
 
 
+def shares_known(peer: PeerShare, rows: int, device: str) -> bool:
+    """create_share's check on one rank: rank 0 sends known_shares, another rank receives them
+    and says whether they came, its buffer emptied as it read them."""
+    right = True
+    for want in known_shares(rows, device):
+        if peer.rank == 0:
+            peer.send(want)
+        else:
+            right &= bool(torch.equal(peer.receive(len(want)), want))
+    return right and bool((peer.buffers.buffer == EMPTY).all())
+
+
 def create_share(group, device: str, rows: int, dtype: torch.dtype) -> PeerShare | None:
     """Collective, as create: every rank's buffer for shares of up to `rows` token ids from
     rank 0, checked on two known shares (both phases); None on every rank where any rank
@@ -447,14 +459,7 @@ def create_share(group, device: str, rows: int, dtype: torch.dtype) -> PeerShare
     if buffers is None:
         return None
     peer = PeerShare(buffers, rank, rows)
-    right = True
-    for want in known_shares(rows, device):
-        if rank == 0:
-            peer.send(want)
-        else:
-            right &= bool(torch.equal(peer.receive(n), want))
-    right &= bool((buffers.buffer == EMPTY).all())  # each emptied as it was read
-    if not _everyone(right, device, group):
+    if not _everyone(shares_known(peer, rows, device), device, group):
         log.warning("tensor parallelism: the peer share's check failed: a pipelined step's "
                     "tokens go through the group's broadcast")
         return None

@@ -367,6 +367,11 @@ def check_peer_share(device: str = "cpu") -> None:
                            capacity, phase)
             assert torch.equal(got, ids), (rank, phase, n)
         assert all((b == ps.EMPTY).all() for b in bufs), "a buffer is not empty after a share"
+    # create_share's own check, rank 0 then rank 1, over their buffers.
+    rows = 5
+    bufs, ptrs = peer_buffers(2, ps.PHASES * 2 * rows, device)
+    assert all(ps.shares_known(ps.PeerShare(ps.PeerBuffers(ptrs, bufs[rank], None), rank, rows),
+                                rows, device) for rank in (0, 1))
 
 
 if __name__ == "__main__":
