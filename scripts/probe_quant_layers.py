@@ -39,7 +39,7 @@ def microseconds(fn, x, n: int = 20) -> float:
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --int4-plans at one row (BLOCK_M 1, the
-# reduction, and 16), a few (BLOCK_M 16) and many (BLOCK_M 64, no split).
+# matrix-vector kernel, and 16), a few (BLOCK_M 16) and many (BLOCK_M 64, no split).
 # Three pipeline stages only: a matrix-vector product has no reuse for deeper ones to feed.
 INT4_PLANS = [(n, bk, split, w, 3) for n in (32, 64, 128) for bk in (128, 256)
               for split in (1, 2, 4, 8) for w in (4, 8)]

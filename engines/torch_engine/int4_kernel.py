@@ -1,6 +1,7 @@
-"""Group-wise int4 weights times bfloat16 activations in one Triton kernel, for CUDA: an
-alternative to tinygemm (torch._weight_int4pack_mm), opt-in with DUET_INT4_KERNEL=triton until
-measured on the GPU against it.
+"""Group-wise int4 weights times bfloat16 activations in Triton kernels of duet's own, for
+CUDA: an alternative to tinygemm (torch._weight_int4pack_mm), opt-in with
+DUET_INT4_KERNEL=triton (on an H100, 2026-11-26, its best tiling was 1.5-1.8x slower than
+tinygemm at one row and up to 5x faster at 64: docs/benchmarks.md).
 
 Why: measured on an H100 (docs/benchmarks.md, 2026-11-24), tinygemm read its 4-bit weights at
 about half the bandwidth bf16's products reach (the 8B shape decoded 1.81x bf16 at batch 1,
@@ -13,7 +14,8 @@ consecutive output columns; scales and zeros [K/group, N]. A program takes a til
 output columns and of the inputs (split-K when the rows are few, so that a matrix-vector
 product of a narrow layer still fills the GPU), unpacks and dequantizes its weight tile to
 bfloat16 ((q - 8) * scale + zero, quant.py's arithmetic) and multiplies it on the tensor
-cores; the split-K parts are added in float32, in order, by a second small kernel. A
+cores; the split-K parts are added in float32, in order, by a second small kernel. One row
+may take a matrix-vector kernel instead, which dequantizes no weight (_int4_gemv_kernel). A
 prefill's hundreds of rows dequantize the weight once instead and multiply it densely."""
 
 from __future__ import annotations

@@ -121,10 +121,7 @@ def build_batch(rows: Sequence[ScheduledSeq], kv: PagedKV, max_len: int, window:
     # four or five a prefill chunk), not waiting for the steps queued before.
     parts = [tokens, positions, write, lengths - 1] + ([] if fresh else [table])
     flat = to_device(torch.cat([x.reshape(-1) for x in parts]), torch.long, device)
-    moved, at = [], 0
-    for x in parts:
-        moved.append(flat[at:at + x.numel()].view(x.shape))
-        at += x.numel()
+    moved = [m.view(x.shape) for m, x in zip(flat.split([x.numel() for x in parts]), parts)]
     return PagedBatch(
         tokens=moved[0], positions=moved[1], write_slots=moved[2], last=moved[3],
         table=None if fresh else moved[4],

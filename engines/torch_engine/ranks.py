@@ -7,9 +7,9 @@ each rank (the rows' tokens, positions and KV blocks, no sampling settings), and
 the same forward over its own heads, the group's all-reduces pairing them layer by layer. Only
 rank 0 samples; when its decode step is pipelined (CUDA graphs), it shares the step's tokens
 with the other ranks (tensor_parallel.TokenShare), since the next step's inputs are taken on
-the device from them. Forwards outside
-the steps (scoring) are told to the ranks the same way (model.mirror), all from the engine's one
-thread, so every rank meets the collectives in one order.
+the device from them. Forwards outside the steps (scoring) are told to the ranks the same way
+(model.mirror), all from the engine's one thread, so every rank meets the collectives in one
+order.
 
 A rank process that ends while the engine runs takes the engine's process with it
 (`on_lost`): its requests end with an error there and the server loads the model anew. So does

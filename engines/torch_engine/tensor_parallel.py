@@ -133,7 +133,8 @@ def use_peer_sums(model, device: str, rows: int, tokens: int) -> None:
     `rows` rows (a decode step's) or `tokens` tokens (a prefill forward's, up to
     MAX_PEER_TOKENS) through peer sums where every rank can make them, and then its decode
     step's vocabulary projection split over the ranks (a plain float projection whose rows
-    divide by the ranks), and its sampled tokens shared from rank 0 through peer memory."""
+    divide by the ranks), and with DUET_TP_TOKEN_SHARE=peer its sampled tokens shared from
+    rank 0 through peer memory."""
     if model.sums is None:
         return
     group = model.sums.group
