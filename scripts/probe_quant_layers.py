@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 # [N, K] of Llama-3.1-8B's fused gate/up projection, its down projection, its fused QKV and
 # its output projection
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
-# int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), beside
-# tinygemm's (int4)
-FORMATS = ("bf16", "int8", "int4", "int4-triton", "fp8")
+# int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), int4-gemlite
+# GemLite's (int4_gemlite.py, where the package is installed), beside tinygemm's (int4)
+FORMATS = ("bf16", "int8", "int4", "int4-triton", "int4-gemlite", "fp8")
 
 
 def microseconds(fn, x, n: int = 20) -> float:
@@ -86,7 +86,7 @@ def main() -> int:
     import torch
 
     from engines.quantization import Quantization
-    from engines.torch_engine import quant
+    from engines.torch_engine import int4_gemlite, quant
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", default="1,64")
@@ -96,11 +96,13 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     results = []
+    formats = [f for f in FORMATS if f != "int4-gemlite" or int4_gemlite.available()]
     for n, k in SHAPES:
         linear = torch.nn.Linear(k, n, bias=False).cuda().bfloat16()
         layers = {"bf16": linear}
-        for fmt in FORMATS[1:]:
-            layers[fmt] = (quant.Int4Linear(linear, "triton", 64) if fmt == "int4-triton" else
+        for fmt in formats[1:]:
+            kernel = fmt.partition("-")[2]  # int4-triton, int4-gemlite: that int4 kernel
+            layers[fmt] = (quant.Int4Linear(linear, kernel, 64) if kernel else
                            quant.quantize_linear(linear, Quantization(fmt, 64), "cuda"))
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -116,7 +118,7 @@ def main() -> int:
             results.append(row)
             print(f"N={n} K={k} rows={rows}: " + " | ".join(
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"
-                for f in FORMATS), flush=True)
+                for f in formats), flush=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                     "torch": torch.__version__, "results": results},
                                    indent=2) + "\n")

@@ -15,7 +15,7 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale`,
+  (int4_kernel.py), or GemLite's with DUET_INT4_KERNEL=gemlite (int4_gemlite.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale`,
   which Inductor fuses into one weight-reading kernel for the compiled decode step of a few
   rows; more rows on the tensor cores, the activations quantized per row: int8 x int8 through
   torch._int_mm, fp8 (compute capability 8.9+) through torch._scaled_mm.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantization import DEFAULT_GROUP, Quantization
-from . import int4_kernel
+from . import int4_gemlite, int4_kernel
 
 # Below this many rows an fp8 or int8 layer on CUDA is a weight read (decode); at or above,
 # tensor-core math on activations quantized per row. (torch._int_mm wants more than 16 rows.)
@@ -85,8 +85,8 @@ def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # --- which kernel ---
 
 def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_GROUP) -> str:
-    """'cpu', 'cuda', 'triton' (int4_kernel.py, opt-in) or 'dequant' (the portable path) for a
-    layer of this format and [N, K]."""
+    """'cpu', 'cuda', 'triton' (int4_kernel.py, opt-in), 'gemlite' (int4_gemlite.py, opt-in) or
+    'dequant' (the portable path) for a layer of this format and [N, K]."""
     n, k = shape
     if device == "cpu":
         if fmt == "int4" and (k % group or n % 16):
@@ -95,6 +95,8 @@ def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_G
     if device.startswith("cuda"):
         if fmt == "int4" and int4_kernel.wanted() and int4_kernel.fits(n, k, group):
             return "triton"
+        if fmt == "int4" and int4_gemlite.wanted() and int4_gemlite.fits(n, k, group):
+            return "gemlite"
         # tinygemm packs K in tiles of 8 x 16 and N in 8s.
         if fmt == "int4" and (k % 128 or n % 8 or k % group):
             return "dequant"
@@ -192,6 +194,8 @@ class Int4Linear(QuantLinear):
             self.register_buffer("qweight", int4_kernel.pack(q))
             self.register_buffer("scales", scale.t().to(torch.bfloat16).contiguous())
             self.register_buffer("zeros", zero.t().to(torch.bfloat16).contiguous())
+        elif kernel_name == "gemlite":
+            self.gemlite = int4_gemlite.layer(q, scale, zero, group, linear.weight.device)
         else:
             # [K/g, N, 2]: the layout both of ATen's int4 kernels take, in bfloat16 (tinygemm's).
             sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -210,6 +214,8 @@ class Int4Linear(QuantLinear):
             y = torch.ops.duet.int4_mm(x2.to(torch.bfloat16), self.qweight, self.scales,
                                        self.zeros, self.group)
             return self._finish(y, x)
+        if self.kernel == "gemlite":
+            return self._finish(self.gemlite(x2.to(torch.bfloat16)), x)
         if self.kernel == "cuda":
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
                                           self.scales_zeros)

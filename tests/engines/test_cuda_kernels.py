@@ -46,6 +46,25 @@ def test_kernel_on_cuda():
     check_model(window=8, device="cuda")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("gemlite") is None,
+                    reason="needs a CUDA GPU and the gemlite package")
+def test_gemlite_int4_layer_computes_the_dequantized_layer():
+    """GemLite's kernels (one row, a few, many) against duet's int4 format dequantized: its
+    shift = zero - 8 * scale carries duet's zero point."""
+    from engines.torch_engine import quant
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(512, 256, bias=True).to(torch.bfloat16).cuda()
+    fast = quant.Int4Linear(linear, "gemlite", 64)
+    slow = quant.Int4Linear(linear, "dequant", 64)
+    for rows in (1, 3, 64, 200):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        got, want = fast(x), slow(x)
+        assert got.shape == (rows, 256) and got.dtype == torch.bfloat16
+        tol = 0.02 * want.float().abs().max().item()
+        assert (got.float() - want.float()).abs().max().item() <= tol, rows
+
+
 def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
     from engines.torch_engine import decode_attention
     from engines.torch_engine import silu_mul  # noqa: F401  (imported whole before Triton hides)

@@ -139,6 +139,21 @@ def test_int4_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monk
     assert quant.kernel("int8", "cuda", (4096, 4096), 64) == "cuda"
 
 
+def test_int4_on_cuda_takes_gemlite_only_when_asked_installed_and_the_shape_fits(monkeypatch):
+    from engines.torch_engine import int4_gemlite
+
+    monkeypatch.setattr(int4_gemlite, "available", lambda: True)
+    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "cuda"  # tinygemm by default
+    monkeypatch.setenv("DUET_INT4_KERNEL", "gemlite")
+    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "gemlite"
+    assert quant.kernel("int4", "cuda", (4096, 14336), 32) == "gemlite"
+    assert quant.kernel("int4", "cuda", (4096, 4032), 48) == "dequant"  # groups of 32s only
+    assert quant.kernel("int4", "cuda", (16, 4096), 64) == "cuda"  # too narrow for its tiles
+    assert quant.kernel("int4", "cpu", (4096, 4096), 64) == "cpu"  # CUDA only
+    monkeypatch.setattr(int4_gemlite, "available", lambda: False)
+    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "cuda"
+
+
 @pytest.mark.parametrize("m,n,k,group", [(1, 4096, 4096, 64), (1, 4096, 14336, 64),
                                          (1, 28672, 4096, 64), (4, 6144, 4096, 32),
                                          (64, 4096, 4096, 64), (2048, 28672, 4096, 128)])
