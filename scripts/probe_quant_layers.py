@@ -5,7 +5,8 @@ also as the bandwidth its weight's bytes were read at.
 
   python scripts/probe_quant_layers.py --rows 1,64
 
-With --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
+With --fp8-plans, duet's fp8 kernel likewise in each tiling of FP8_PLANS (48). With
+--int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
 int4_kernel.plan() picks (the kernel's tuning, measured in one call).
 
   python scripts/probe_quant_layers.py --rows 1,16,64 --int4-plans
@@ -27,7 +28,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
 # int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), int4-gemlite
 # GemLite's (int4_gemlite.py, where the package is installed), beside tinygemm's (int4)
-FORMATS = ("bf16", "int8", "int4", "int4-triton", "int4-gemlite", "fp8")
+# fp8-triton: duet's fp8 kernel (fp8_kernel.py, DUET_FP8_KERNEL=triton)
+FORMATS = ("bf16", "int8", "int4", "int4-triton", "int4-gemlite", "fp8", "fp8-triton")
 
 
 def microseconds(fn, x, n: int = 20) -> float:
@@ -74,6 +76,35 @@ def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
     return out
 
 
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --fp8-plans, BLOCK_M as plan() has it.
+FP8_PLANS = [(n, bk, split, w, 4) for n in (64, 128, 256) for bk in (64, 128)
+             for split in (1, 2, 4, 8) for w in (4, 8)]
+
+
+def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
+    """Microseconds of duet's fp8 kernel on a random [N, K] weight in each plan that fits."""
+    import torch
+
+    from engines.device import cuda_multiprocessors
+    from engines.torch_engine import fp8_kernel, quant
+
+    w8, scale = quant.quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    chosen = fp8_kernel.plan(rows, n, k, cuda_multiprocessors(0))
+    out = {f"chosen {chosen}": round(microseconds(
+        lambda x: fp8_kernel.launch(x, w8, scale, chosen), x), 1)}
+    for block_n, block_k, split, warps, stages in FP8_PLANS:
+        if k % (block_k * split):
+            continue
+        p = fp8_kernel.Plan(chosen.block_m, block_n, block_k, split, warps, stages)
+        key = f"{p.block_m}x{block_n}x{block_k}/{split}/{warps}w{stages}s"
+        try:
+            out[key] = round(microseconds(lambda x, p=p: fp8_kernel.launch(x, w8, scale, p), x), 1)
+        except Exception as exc:  # a tiling past the GPU's shared memory or registers
+            out[key] = type(exc).__name__
+    return out
+
+
 def weight_bytes(fmt: str, n: int, k: int, group: int = 64) -> int:
     if fmt == "bf16":
         return 2 * n * k
@@ -92,6 +123,8 @@ def main() -> int:
     p.add_argument("--rows", default="1,64")
     p.add_argument("--int4-plans", action="store_true",
                    help="duet's int4 kernel in each tiling of INT4_PLANS too")
+    p.add_argument("--fp8-plans", action="store_true",
+                   help="duet's fp8 kernel in each tiling of FP8_PLANS too")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/quant-layers.json")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -101,8 +134,9 @@ def main() -> int:
         linear = torch.nn.Linear(k, n, bias=False).cuda().bfloat16()
         layers = {"bf16": linear}
         for fmt in formats[1:]:
-            kernel = fmt.partition("-")[2]  # int4-triton, int4-gemlite: that int4 kernel
-            layers[fmt] = (quant.Int4Linear(linear, kernel, 64) if kernel else
+            base, _, kernel = fmt.partition("-")  # int4-triton, fp8-triton: that kernel
+            layers[fmt] = (quant.Int4Linear(linear, kernel, 64) if base == "int4" and kernel else
+                           quant.FP8Linear(linear, kernel, True) if kernel else
                            quant.quantize_linear(linear, Quantization(fmt, 64), "cuda"))
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -114,6 +148,12 @@ def main() -> int:
                 best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
                 print(f"N={n} K={k} rows={rows} int4 plans, fastest: " + ", ".join(
                     f"{key} {v:.1f} us ({n * k // 2 / v / 1e3:.0f} GB/s)" for v, key in best),
+                    flush=True)
+            if args.fp8_plans:
+                row["fp8_plans"] = plans = fp8_plans(n, k, rows)
+                best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
+                print(f"N={n} K={k} rows={rows} fp8 plans, fastest: " + ", ".join(
+                    f"{key} {v:.1f} us ({n * k / v / 1e3:.0f} GB/s)" for v, key in best),
                     flush=True)
             results.append(row)
             print(f"N={n} K={k} rows={rows}: " + " | ".join(

@@ -15,9 +15,10 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py), or GemLite's with DUET_INT4_KERNEL=gemlite (int4_gemlite.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale`,
-  which Inductor fuses into one weight-reading kernel for the compiled decode step of a few
-  rows; more rows on the tensor cores, the activations quantized per row: int8 x int8 through
+  (int4_kernel.py), or GemLite's with DUET_INT4_KERNEL=gemlite (int4_gemlite.py); fp8 of up to
+  256 rows through duet's kernel with DUET_FP8_KERNEL=triton (fp8_kernel.py); int8 and fp8 as
+  `linear(x, w.to(dtype)) * scale`, which Inductor fuses into one weight-reading kernel for the
+  compiled decode step of a few rows; more rows on the tensor cores, the activations quantized per row: int8 x int8 through
   torch._int_mm, fp8 (compute capability 8.9+) through torch._scaled_mm.
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantization import DEFAULT_GROUP, Quantization
-from . import int4_gemlite, int4_kernel
+from . import fp8_kernel, int4_gemlite, int4_kernel
 
 # Below this many rows an fp8 or int8 layer on CUDA is a weight read (decode); at or above,
 # tensor-core math on activations quantized per row. (torch._int_mm wants more than 16 rows.)
@@ -85,8 +86,9 @@ def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # --- which kernel ---
 
 def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_GROUP) -> str:
-    """'cpu', 'cuda', 'triton' (int4_kernel.py, opt-in), 'gemlite' (int4_gemlite.py, opt-in) or
-    'dequant' (the portable path) for a layer of this format and [N, K]."""
+    """'cpu', 'cuda', 'triton' (int4_kernel.py or fp8_kernel.py, opt-in), 'gemlite'
+    (int4_gemlite.py, opt-in) or 'dequant' (the portable path) for a layer of this format and
+    [N, K]."""
     n, k = shape
     if device == "cpu":
         if fmt == "int4" and (k % group or n % 16):
@@ -97,6 +99,8 @@ def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_G
             return "triton"
         if fmt == "int4" and int4_gemlite.wanted() and int4_gemlite.fits(n, k, group):
             return "gemlite"
+        if fmt == "fp8" and fp8_kernel.wanted() and fp8_kernel.fits(n, k):
+            return "triton"
         # tinygemm packs K in tiles of 8 x 16 and N in 8s.
         if fmt == "int4" and (k % 128 or n % 8 or k % group):
             return "dequant"
@@ -241,7 +245,11 @@ class FP8Linear(QuantLinear):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel != "cuda":
+        if self.kernel == "triton" and _rows(x) <= fp8_kernel.MAX_ROWS:
+            y = torch.ops.duet.fp8_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
+                                      self.weight8, self.scale)
+            return self._finish(y, x)
+        if self.kernel not in ("cuda", "triton"):
             return self._dequant_linear(x, dequantize_fp8(self.weight8, self.scale))
         if self.tensor_cores and _rows(x) >= SCALED_MM_ROWS:
             x2 = x.reshape(-1, self.in_features)

@@ -139,6 +139,51 @@ def check_int4_layer(device: str = "cpu") -> None:
     assert torch.equal(fast(x[:1].to(device)).cpu(), got[:1])
 
 
+def check_fp8_mm(device: str = "cpu") -> None:
+    """The fp8 kernel against quant.py's dequantized weight: one row, a few, 64 and more (16-
+    and 64-row tiles), split-K and not, columns that are not a multiple of the tile. e4m3
+    values are exact in bfloat16, so only the float32 sums and the result's rounding differ
+    (the interpreter rounds float32 to 16 bits toward zero: within 2**-7)."""
+    from engines.torch_engine import fp8_kernel, quant
+
+    torch.manual_seed(0)
+    for n, k, m in ((64, 128, 1), (96, 256, 3), (80, 512, 20), (4096, 512, 1), (200, 384, 64),
+                    (72, 128, fp8_kernel.MAX_ROWS)):
+        w8, scale = quant.quantize_fp8(torch.randn(n, k) * 0.05)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        want = x.float() @ quant.dequantize_fp8(w8, scale).t()
+        bound = want.abs() * 2 ** -7 + (x.float().abs() @ quant.dequantize_fp8(
+            w8, scale).abs().t()) * 2 ** -14 + 1e-6
+        p = fp8_kernel.plan(m, n, k)
+        for split in sorted({1, p.split_k}):
+            got = fp8_kernel.launch(x.to(device), w8.to(device), scale.to(device),
+                                    fp8_kernel.Plan(p.block_m, p.block_n, p.block_k, split,
+                                                    p.warps, p.stages)).cpu()
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16
+            assert ((got.float() - want).abs() <= bound).all(), (n, k, m, split)
+        assert torch.equal(torch.ops.duet.fp8_mm(x.to(device), w8.to(device),
+                                                 scale.to(device)).cpu(),
+                           fp8_kernel.launch(x.to(device), w8.to(device), scale.to(device),
+                                             p).cpu())
+
+
+def check_fp8_layer(device: str = "cpu") -> None:
+    """An fp8 layer on the kernel computes what the same layer dequantized computes, and a row
+    the same bits alone as beside others."""
+    from engines.torch_engine import quant
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(256, 96, bias=True).to(torch.bfloat16)
+    fast = quant.FP8Linear(linear, "triton", tensor_cores=False).to(device)
+    slow = quant.FP8Linear(linear, "dequant", tensor_cores=False)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    got, want = fast(x.to(device)).cpu(), slow(x)
+    assert got.shape == (3, 96) and got.dtype == torch.bfloat16
+    tol = 0.02 * want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    assert torch.equal(fast(x[:1].to(device)).cpu(), got[:1])
+
+
 def check_borders(device="cpu") -> None:
     """Each row's nucleus border found by the kernel's search keeps the tokens the sorted
     ranks keep (sampling._borders), and a draw with it takes the same tokens: top_k alone,
@@ -381,6 +426,8 @@ if __name__ == "__main__":
     check_borders(device=device)
     check_int4_mm(device=device)
     check_int4_layer(device=device)
+    check_fp8_mm(device=device)
+    check_fp8_layer(device=device)
     if device == "cpu":  # on a GPU, scripts/bench_all_reduce.py checks it over two
         check_peer_sum(device)
         check_peer_sum_norm(device)

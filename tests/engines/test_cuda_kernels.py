@@ -34,14 +34,17 @@ def test_kernel_in_the_triton_interpreter():
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_cuda():
-    from tests.engines.kernels_check import (check_borders, check_int4_layer, check_int4_mm,
-                                             check_model, check_op, check_silu_mul)
+    from tests.engines.kernels_check import (check_borders, check_fp8_layer, check_fp8_mm,
+                                             check_int4_layer, check_int4_mm, check_model,
+                                             check_op, check_silu_mul)
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
     check_borders(device="cuda")
     check_int4_mm(device="cuda")
     check_int4_layer(device="cuda")
+    check_fp8_mm(device="cuda")
+    check_fp8_layer(device="cuda")
     check_model(window=None, device="cuda")
     check_model(window=8, device="cuda")
 
@@ -138,6 +141,16 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
     ("int4_kernel", "_dequant_kernel"): (
         {"QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "W": PTR16, "N": "i32"},
         {"GROUP": 64, "BLOCK_K": 64, "BLOCK_N": 64}),
+    ("fp8_kernel", "_fp8_mm_kernel", "split"): (  # a few rows: float32 parts
+        {"X": PTR16, "W": "*fp8e4nv", "Scale": "*fp32", "Out": "*fp32", "M": "i32", "N": "i32",
+         "K": "i32"},
+        {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "BF16_DOT": True},
+        {"num_warps": 4, "num_stages": 4}),
+    ("fp8_kernel", "_fp8_mm_kernel", "whole"): (
+        {"X": PTR16, "W": "*fp8e4nv", "Scale": "*fp32", "Out": PTR16, "M": "i32", "N": "i32",
+         "K": "i32"},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "BF16_DOT": True},
+        {"num_warps": 4, "num_stages": 4}),
     ("int4_kernel", "_sum_splits_kernel"): (
         {"Parts": "*fp32", "Out": PTR16, "size": "i32"}, {"SPLIT_K": 4, "BLOCK": 1024}),
     ("nucleus_kernel", "_borders_kernel"): (

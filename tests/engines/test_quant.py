@@ -139,6 +139,18 @@ def test_int4_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monk
     assert quant.kernel("int8", "cuda", (4096, 4096), 64) == "cuda"
 
 
+def test_fp8_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monkeypatch):
+    from engines.torch_engine import int4_kernel
+
+    if int4_kernel.triton is None:
+        pytest.skip("Triton is not installed")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"  # by default
+    monkeypatch.setenv("DUET_FP8_KERNEL", "triton")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"
+    assert quant.kernel("fp8", "cuda", (4096, 4000)) == "cuda"  # K not whole steps of 128
+    assert quant.kernel("fp8", "cpu", (4096, 4096)) == "dequant"  # CUDA only
+
+
 def test_int4_on_cuda_takes_gemlite_only_when_asked_installed_and_the_shape_fits(monkeypatch):
     from engines.torch_engine import int4_gemlite
 
