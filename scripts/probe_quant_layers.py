@@ -5,7 +5,7 @@ also as the bandwidth its weight's bytes were read at.
 
   python scripts/probe_quant_layers.py --rows 1,64
 
-With --fp8-plans, duet's fp8 kernel likewise in each tiling of FP8_PLANS (48). With
+With --fp8-plans, duet's fp8 kernel likewise in each tiling of FP8_PLANS (72). With
 --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
 int4_kernel.plan() picks (the kernel's tuning, measured in one call).
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
 # int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), int4-gemlite
 # GemLite's (int4_gemlite.py, where the package is installed), beside tinygemm's (int4)
-# fp8-triton: duet's fp8 kernel (fp8_kernel.py, DUET_FP8_KERNEL=triton)
+# fp8-triton: duet's fp8 kernel from 16 rows (fp8_kernel.py, DUET_FP8_KERNEL=triton)
 FORMATS = ("bf16", "int8", "int4", "int4-triton", "int4-gemlite", "fp8", "fp8-triton")
 
 
@@ -77,7 +77,7 @@ def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --fp8-plans, BLOCK_M as plan() has it.
-FP8_PLANS = [(n, bk, split, w, 4) for n in (64, 128, 256) for bk in (64, 128)
+FP8_PLANS = [(n, bk, split, w, 4) for n in (64, 128, 256) for bk in (64, 128, 256)
              for split in (1, 2, 4, 8) for w in (4, 8)]
 
 
@@ -85,21 +85,21 @@ def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
     """Microseconds of duet's fp8 kernel on a random [N, K] weight in each plan that fits."""
     import torch
 
-    from engines.device import cuda_multiprocessors
     from engines.torch_engine import fp8_kernel, quant
 
     w8, scale = quant.quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    chosen = fp8_kernel.plan(rows, n, k, cuda_multiprocessors(0))
+    x8, x_scale = quant.quantize_rows(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+    chosen = fp8_kernel.plan(rows, n, k)
     out = {f"chosen {chosen}": round(microseconds(
-        lambda x: fp8_kernel.launch(x, w8, scale, chosen), x), 1)}
+        lambda x: fp8_kernel.launch(x, x_scale, w8, scale, chosen), x8), 1)}
     for block_n, block_k, split, warps, stages in FP8_PLANS:
         if k % (block_k * split):
             continue
         p = fp8_kernel.Plan(chosen.block_m, block_n, block_k, split, warps, stages)
         key = f"{p.block_m}x{block_n}x{block_k}/{split}/{warps}w{stages}s"
         try:
-            out[key] = round(microseconds(lambda x, p=p: fp8_kernel.launch(x, w8, scale, p), x), 1)
+            out[key] = round(microseconds(
+                lambda x, p=p: fp8_kernel.launch(x, x_scale, w8, scale, p), x8), 1)
         except Exception as exc:  # a tiling past the GPU's shared memory or registers
             out[key] = type(exc).__name__
     return out

@@ -15,11 +15,12 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py), or GemLite's with DUET_INT4_KERNEL=gemlite (int4_gemlite.py); fp8 of up to
-  256 rows through duet's kernel with DUET_FP8_KERNEL=triton (fp8_kernel.py); int8 and fp8 as
-  `linear(x, w.to(dtype)) * scale`, which Inductor fuses into one weight-reading kernel for the
-  compiled decode step of a few rows; more rows on the tensor cores, the activations quantized per row: int8 x int8 through
-  torch._int_mm, fp8 (compute capability 8.9+) through torch._scaled_mm.
+  (int4_kernel.py), or GemLite's with DUET_INT4_KERNEL=gemlite (int4_gemlite.py); int8 and fp8
+  as `linear(x, w.to(dtype)) * scale`, which Inductor fuses into one weight-reading kernel for
+  the compiled decode step of a few rows; more rows on the tensor cores, the activations
+  quantized per row: int8 x int8 through torch._int_mm, fp8 (compute capability 8.9+) through
+  torch._scaled_mm, or for 16-256 rows duet's kernel with DUET_FP8_KERNEL=triton
+  (fp8_kernel.py).
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
 """
@@ -245,20 +246,24 @@ class FP8Linear(QuantLinear):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "triton" and _rows(x) <= fp8_kernel.MAX_ROWS:
-            y = torch.ops.duet.fp8_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                      self.weight8, self.scale)
-            return self._finish(y, x)
         if self.kernel not in ("cuda", "triton"):
             return self._dequant_linear(x, dequantize_fp8(self.weight8, self.scale))
-        if self.tensor_cores and _rows(x) >= SCALED_MM_ROWS:
-            x2 = x.reshape(-1, self.in_features)
-            x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-            x8 = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            y = torch._scaled_mm(x8, self.weight8.t(), scale_a=x_scale,
-                                 scale_b=self.scale[None, :], out_dtype=x.dtype)
+        rows = _rows(x)
+        if self.tensor_cores and rows >= SCALED_MM_ROWS:
+            x8, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+            if self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS:
+                y = torch.ops.duet.fp8_mm(x8, x_scale, self.weight8, self.scale)
+            else:
+                y = torch._scaled_mm(x8, self.weight8.t(), scale_a=x_scale,
+                                     scale_b=self.scale[None, :], out_dtype=x.dtype)
             return self._finish(y, x)
         return self._finish(F.linear(x, self.weight8.to(x.dtype)) * self.scale.to(x.dtype), x)
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] to e4m3 with one float32 scale a row [M, 1] (absmax / 448)."""
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
 
 
 def quantize_linear(linear: nn.Linear, config: Quantization, device: str,

@@ -141,15 +141,15 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
     ("int4_kernel", "_dequant_kernel"): (
         {"QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "W": PTR16, "N": "i32"},
         {"GROUP": 64, "BLOCK_K": 64, "BLOCK_N": 64}),
-    ("fp8_kernel", "_fp8_mm_kernel", "split"): (  # a few rows: float32 parts
-        {"X": PTR16, "W": "*fp8e4nv", "Scale": "*fp32", "Out": "*fp32", "M": "i32", "N": "i32",
-         "K": "i32"},
-        {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "BF16_DOT": True},
+    ("fp8_kernel", "_fp8_mm_kernel", "split"): (  # float32 parts
+        {"X": "*fp8e4nv", "XScale": "*fp32", "W": "*fp8e4nv", "Scale": "*fp32", "Out": "*fp32",
+         "M": "i32", "N": "i32", "K": "i32"},
+        {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4},
         {"num_warps": 4, "num_stages": 4}),
     ("fp8_kernel", "_fp8_mm_kernel", "whole"): (
-        {"X": PTR16, "W": "*fp8e4nv", "Scale": "*fp32", "Out": PTR16, "M": "i32", "N": "i32",
-         "K": "i32"},
-        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "BF16_DOT": True},
+        {"X": "*fp8e4nv", "XScale": "*fp32", "W": "*fp8e4nv", "Scale": "*fp32", "Out": PTR16,
+         "M": "i32", "N": "i32", "K": "i32"},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1},
         {"num_warps": 4, "num_stages": 4}),
     ("int4_kernel", "_sum_splits_kernel"): (
         {"Parts": "*fp32", "Out": PTR16, "size": "i32"}, {"SPLIT_K": 4, "BLOCK": 1024}),
