@@ -26,10 +26,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 # [N, K] of Llama-3.1-8B's fused gate/up projection, its down projection, its fused QKV and
 # its output projection
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
-# int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), int4-gemlite
-# GemLite's (int4_gemlite.py, where the package is installed), beside tinygemm's (int4)
-# fp8-triton: duet's fp8 kernel from 16 rows (fp8_kernel.py, DUET_FP8_KERNEL=triton)
-FORMATS = ("bf16", "int8", "int4", "int4-triton", "int4-gemlite", "fp8", "fp8-triton")
+# int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), beside
+# tinygemm's (int4)
+# fp8: the compiled weight read below 16 rows, torch._scaled_mm from 16 (DUET_FP8_KERNEL=aten);
+# fp8-triton: duet's fp8 kernel for 16-64 rows instead (fp8_kernel.py, the default on Hopper)
+FORMATS = ("bf16", "int8", "int4", "int4-triton", "fp8", "fp8-triton")
 
 
 def microseconds(fn, x, n: int = 20) -> float:
@@ -40,8 +41,8 @@ def microseconds(fn, x, n: int = 20) -> float:
     return timed(capture(lambda: [fn(x) for _ in range(n)]), x.device) * 1000 / n
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --int4-plans at one row (BLOCK_M 1, the
-# matrix-vector kernel, and 16), a few (BLOCK_M 16) and many (BLOCK_M 64, no split).
+# (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --int4-plans at a few rows (BLOCK_M 16)
+# and many (BLOCK_M 64, no split).
 # Three pipeline stages only: a matrix-vector product has no reuse for deeper ones to feed.
 INT4_PLANS = [(n, bk, split, w, 3) for n in (32, 64, 128) for bk in (128, 256)
               for split in (1, 2, 4, 8) for w in (4, 8)]
@@ -65,7 +66,7 @@ def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
     for block_n, block_k, split, warps, stages in INT4_PLANS:
         if k % (block_k * split) or block_k % group or (rows > 16 and split > 1):
             continue
-        for block_m in ((1, 16) if rows == 1 else (16,) if rows <= 16 else (64,)):
+        for block_m in ((16,) if rows <= 16 else (64,)):
             p = int4_kernel.Plan(block_m, block_n, block_k, split, warps, stages)
             key = f"{block_m}x{block_n}x{block_k}/{split}/{warps}w{stages}s"
             try:
@@ -117,7 +118,7 @@ def main() -> int:
     import torch
 
     from engines.quantization import Quantization
-    from engines.torch_engine import int4_gemlite, quant
+    from engines.torch_engine import quant
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", default="1,64")
@@ -127,17 +128,21 @@ def main() -> int:
                    help="duet's fp8 kernel in each tiling of FP8_PLANS too")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/quant-layers.json")
     args = p.parse_args()
+    # Every layer of a class shares its forward's code: past Dynamo's default of 8 compiled
+    # versions of it, the later shapes would run eagerly (the 4096 x 4096 layer did, 3x slow).
+    torch._dynamo.config.recompile_limit = 64
     torch.manual_seed(0)
     results = []
-    formats = [f for f in FORMATS if f != "int4-gemlite" or int4_gemlite.available()]
     for n, k in SHAPES:
         linear = torch.nn.Linear(k, n, bias=False).cuda().bfloat16()
         layers = {"bf16": linear}
-        for fmt in formats[1:]:
-            base, _, kernel = fmt.partition("-")  # int4-triton, fp8-triton: that kernel
-            layers[fmt] = (quant.Int4Linear(linear, kernel, 64) if base == "int4" and kernel else
-                           quant.FP8Linear(linear, kernel, True) if kernel else
-                           quant.quantize_linear(linear, Quantization(fmt, 64), "cuda"))
+        for fmt in FORMATS[1:]:
+            if fmt.startswith("fp8"):
+                layers[fmt] = quant.FP8Linear(linear, "triton" if "-" in fmt else "cuda", True)
+            elif fmt == "int4-triton":
+                layers[fmt] = quant.Int4Linear(linear, "triton", 64)
+            else:
+                layers[fmt] = quant.quantize_linear(linear, Quantization(fmt, 64), "cuda")
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "rows": rows}
@@ -158,7 +163,7 @@ def main() -> int:
             results.append(row)
             print(f"N={n} K={k} rows={rows}: " + " | ".join(
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"
-                for f in formats), flush=True)
+                for f in FORMATS), flush=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                     "torch": torch.__version__, "results": results},
                                    indent=2) + "\n")

@@ -25,9 +25,10 @@ import torch
 from . import int4_kernel
 from .decode_attention import triton
 
-# Up to this many rows the kernel runs; more (a prefill's) take torch._scaled_mm, bound by
-# arithmetic there, not bytes.
-MAX_ROWS = 256
+# Up to this many rows the kernel runs; more take torch._scaled_mm (on an H100 the two were
+# even at 128 rows, the kernel slower on the widest layer; a prefill's many rows are bound by
+# arithmetic, not bytes).
+MAX_ROWS = 64
 
 if triton is not None:
     import triton.language as tl
@@ -58,6 +59,26 @@ if triton is not None:
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _quantize_rows_kernel(X, X8, XScale, K, BLOCK: tl.constexpr):
+        """One row a program: XScale[row] = max |X[row]| / 448 (at least 1e-12), X8[row] =
+        X[row] / XScale[row] in e4m3, rounded to nearest even: quant.quantize_rows' values bit
+        for bit (an IEEE division, not Triton's approximate one)."""
+        row = tl.program_id(0)
+        top = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+            top = tl.maximum(top, tl.abs(x))
+        scale = tl.maximum(tl.max(top, axis=0) / 448.0, 1e-12)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+            x8 = tl.clamp(tl.math.div_rn(x, scale + tl.zeros_like(x)), -448.0, 448.0)
+            tl.store(X8 + row * K + offs, x8.to(X8.dtype.element_ty), mask=offs < K)
+        tl.store(XScale + row, scale)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A product's tiles: BLOCK_M rows, BLOCK_N columns, BLOCK_K inputs a step, the inputs split
@@ -81,8 +102,14 @@ def plan(m: int, n: int, k: int) -> Plan:
     return Plan(64, 128 if n >= 16384 else 64, 256 if k % 256 == 0 else 128, 1, 4, 4)
 
 
-def wanted() -> bool:
-    return os.environ.get("DUET_FP8_KERNEL") == "triton" and triton is not None
+def wanted(device: str) -> bool:
+    """On by default where it was measured, Hopper (compute capability 9.0) and later;
+    DUET_FP8_KERNEL=aten keeps torch._scaled_mm, =triton takes the kernel on any GPU Triton
+    compiles e4m3 products for (8.9)."""
+    choice = os.environ.get("DUET_FP8_KERNEL", "auto")
+    if triton is None or choice == "aten":
+        return False
+    return choice == "triton" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def fits(n: int, k: int) -> bool:
@@ -103,6 +130,17 @@ def fp8_mm(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor,
 @fp8_mm.register_fake
 def _(x8, x_scale, weight8, scale):
     return x8.new_empty(x8.shape[0], weight8.shape[0], dtype=torch.bfloat16)
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant.quantize_rows in one kernel, for the eager prefill: the torch expression is five
+    or six kernels a layer there, launched by the host one by one (the compiled decode step
+    fuses it by itself)."""
+    m, k = x2.shape
+    x8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    x_scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    _quantize_rows_kernel[(m,)](x2.contiguous(), x8, x_scale, k, BLOCK=1024)
+    return x8, x_scale
 
 
 def launch(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, scale: torch.Tensor,

@@ -14,9 +14,10 @@ consecutive output columns; scales and zeros [K/group, N]. A program takes a til
 output columns and of the inputs (split-K when the rows are few, so that a matrix-vector
 product of a narrow layer still fills the GPU), unpacks and dequantizes its weight tile to
 bfloat16 ((q - 8) * scale + zero, quant.py's arithmetic) and multiplies it on the tensor
-cores; the split-K parts are added in float32, in order, by a second small kernel. One row
-may take a matrix-vector kernel instead, which dequantizes no weight (_int4_gemv_kernel). A
-prefill's hundreds of rows dequantize the weight once instead and multiply it densely."""
+cores; the split-K parts are added in float32, in order, by a second small kernel. A
+prefill's hundreds of rows dequantize the weight once instead and multiply it densely. (A
+one-row matrix-vector form that dequantized no weight was tried and dropped: on an H100 it
+was 1.6-2.2x slower than tinygemm and than these tiles at one row, 2026-11-26.)"""
 
 from __future__ import annotations
 
@@ -87,41 +88,6 @@ if triton is not None:
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _int4_gemv_kernel(X, QW, Scales, Zeros, Out, N, K, GROUP: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-        """One row (a decode step's matrix-vector product): Out[pid_k, 0, N] = x @
-        dequant(QW) over this program's share of K, without dequantizing a weight: each weight
-        adds its 4 bits times x_k times its group's scale, in float32, and each group's zero
-        and the 8 the bits are offset by come in once a group (sum_k x_k times zero - 8 scale).
-        The bits become a float through its bits, not a conversion (an int-to-float runs at a
-        quarter of the rate or less on the GPU): q | 0x44800000 is the float 1024 + q / 8192
-        exactly, and less 1024 exactly q / 8192. Products are summed over the inputs once, at
-        the end: a sum over each group's inputs every step made the threads trade partial sums
-        (hundreds of shuffles a step)."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        groups: tl.constexpr = BLOCK_K // GROUP
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        offsets = tl.zeros((groups, BLOCK_N), dtype=tl.float32)
-        per_split = K // SPLIT_K
-        for start in range(pid_k * per_split, (pid_k + 1) * per_split, BLOCK_K):
-            words = tl.load(QW + (start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * N
-                            + cols[None, :], mask=col_ok[None, :], other=0)
-            q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            small = tl.reshape((q | 0x44800000).to(tl.float32, bitcast=True) - 1024.0,
-                               (BLOCK_K, BLOCK_N))  # q / 8192
-            x = tl.load(X + start + tl.arange(0, BLOCK_K)).to(tl.float32)
-            g = (start // GROUP + tl.arange(0, groups))[:, None] * N + cols[None, :]
-            scale = tl.load(Scales + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            zero = tl.load(Zeros + g, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            acc += small * (x[:, None] * _spread(scale * 8192.0, GROUP, BLOCK_K, BLOCK_N))
-            xsum = tl.sum(tl.reshape(x, (groups, GROUP)), axis=1)
-            offsets += xsum[:, None] * (zero - 8.0 * scale)
-        total = tl.sum(acc, axis=0) + tl.sum(offsets, axis=0)
-        tl.store(Out + pid_k * N + cols, total.to(Out.dtype.element_ty), mask=col_ok)
-
-    @triton.jit
     def _dequant_kernel(QW, Scales, Zeros, W, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_N: tl.constexpr):
         """W[K, N] (bfloat16) = the int4 weight dequantized, a [BLOCK_K, BLOCK_N] tile a
@@ -148,7 +114,7 @@ if triton is not None:
 @dataclass(frozen=True)
 class Plan:
     """A product's tiles: BLOCK_M rows, BLOCK_N columns, BLOCK_K inputs a step, the inputs split
-    SPLIT_K ways. BLOCK_M 1 is the matrix-vector kernel (_int4_gemv_kernel), for one row."""
+    SPLIT_K ways."""
 
     block_m: int
     block_n: int
@@ -159,8 +125,7 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
-    """Few rows (decode): tiles of 16 rows (the tensor cores' least; the matrix-vector
-    kernel, for one row, is not yet measured on a GPU) by 128 columns, 128 inputs a step. More
+    """Few rows (decode): tiles of 16 rows (the tensor cores' least) by 128 columns, 128 inputs a step. More
     rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
     (up to 8 ways) until there are about four programs an SM: a product of 4,096 columns has
     only 32 tiles of them, and a matrix-vector product is bound by the bytes in flight.
@@ -243,20 +208,11 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) \
         if p.split_k > 1 else out
-    if p.block_m == 1:  # the matrix-vector form
-        if m != 1:
-            raise ValueError(f"a plan of one row multiplies one row, not {m}")
-        _int4_gemv_kernel[(triton.cdiv(n, p.block_n), p.split_k)](
-            x.contiguous(), qweight, scales, zeros, parts, n, k, GROUP=group,
-            BLOCK_N=p.block_n, BLOCK_K=p.block_k, SPLIT_K=p.split_k, num_warps=p.warps,
-            num_stages=p.stages)
-    else:
-        grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
-        _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k,
-                              GROUP=group, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-                              BLOCK_K=p.block_k, SPLIT_K=p.split_k,
-                              BF16_DOT=x.device.type == "cuda", num_warps=p.warps,
-                              num_stages=p.stages)
+    grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
+    _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k, GROUP=group,
+                          BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+                          SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
+                          num_warps=p.warps, num_stages=p.stages)
     if p.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n,
                                                              SPLIT_K=p.split_k, BLOCK=SUM_BLOCK)

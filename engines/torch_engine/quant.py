@@ -15,12 +15,12 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py), or GemLite's with DUET_INT4_KERNEL=gemlite (int4_gemlite.py); int8 and fp8
+  (int4_kernel.py); int8 and fp8
   as `linear(x, w.to(dtype)) * scale`, which Inductor fuses into one weight-reading kernel for
   the compiled decode step of a few rows; more rows on the tensor cores, the activations
   quantized per row: int8 x int8 through torch._int_mm, fp8 (compute capability 8.9+) through
-  torch._scaled_mm, or for 16-256 rows duet's kernel with DUET_FP8_KERNEL=triton
-  (fp8_kernel.py).
+  torch._scaled_mm, or for 16-64 rows on Hopper duet's kernel (fp8_kernel.py; off with
+  DUET_FP8_KERNEL=aten).
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
 """
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantization import DEFAULT_GROUP, Quantization
-from . import fp8_kernel, int4_gemlite, int4_kernel
+from . import fp8_kernel, int4_kernel
 
 # Below this many rows an fp8 or int8 layer on CUDA is a weight read (decode); at or above,
 # tensor-core math on activations quantized per row. (torch._int_mm wants more than 16 rows.)
@@ -87,9 +87,8 @@ def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # --- which kernel ---
 
 def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_GROUP) -> str:
-    """'cpu', 'cuda', 'triton' (int4_kernel.py or fp8_kernel.py, opt-in), 'gemlite'
-    (int4_gemlite.py, opt-in) or 'dequant' (the portable path) for a layer of this format and
-    [N, K]."""
+    """'cpu', 'cuda', 'triton' (int4_kernel.py, opt-in; fp8_kernel.py) or 'dequant' (the
+    portable path) for a layer of this format and [N, K]."""
     n, k = shape
     if device == "cpu":
         if fmt == "int4" and (k % group or n % 16):
@@ -98,9 +97,8 @@ def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_G
     if device.startswith("cuda"):
         if fmt == "int4" and int4_kernel.wanted() and int4_kernel.fits(n, k, group):
             return "triton"
-        if fmt == "int4" and int4_gemlite.wanted() and int4_gemlite.fits(n, k, group):
-            return "gemlite"
-        if fmt == "fp8" and fp8_kernel.wanted() and fp8_kernel.fits(n, k):
+        if (fmt == "fp8" and fp8_tensor_cores(device) and fp8_kernel.wanted(device)
+                and fp8_kernel.fits(n, k)):
             return "triton"
         # tinygemm packs K in tiles of 8 x 16 and N in 8s.
         if fmt == "int4" and (k % 128 or n % 8 or k % group):
@@ -199,8 +197,6 @@ class Int4Linear(QuantLinear):
             self.register_buffer("qweight", int4_kernel.pack(q))
             self.register_buffer("scales", scale.t().to(torch.bfloat16).contiguous())
             self.register_buffer("zeros", zero.t().to(torch.bfloat16).contiguous())
-        elif kernel_name == "gemlite":
-            self.gemlite = int4_gemlite.layer(q, scale, zero, group, linear.weight.device)
         else:
             # [K/g, N, 2]: the layout both of ATen's int4 kernels take, in bfloat16 (tinygemm's).
             sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -219,8 +215,6 @@ class Int4Linear(QuantLinear):
             y = torch.ops.duet.int4_mm(x2.to(torch.bfloat16), self.qweight, self.scales,
                                        self.zeros, self.group)
             return self._finish(y, x)
-        if self.kernel == "gemlite":
-            return self._finish(self.gemlite(x2.to(torch.bfloat16)), x)
         if self.kernel == "cuda":
             y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
                                           self.scales_zeros)
@@ -250,7 +244,12 @@ class FP8Linear(QuantLinear):
             return self._dequant_linear(x, dequantize_fp8(self.weight8, self.scale))
         rows = _rows(x)
         if self.tensor_cores and rows >= SCALED_MM_ROWS:
-            x8, x_scale = quantize_rows(x.reshape(-1, self.in_features))
+            x2 = x.reshape(-1, self.in_features)
+            # Eager (a prefill): one kernel instead of the expression's five or six launches;
+            # the compiled decode step fuses the expression itself.
+            fused = (x.is_cuda and not torch.compiler.is_compiling()
+                     and fp8_kernel.triton is not None)
+            x8, x_scale = fp8_kernel.quantize_rows(x2) if fused else quantize_rows(x2)
             if self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS:
                 y = torch.ops.duet.fp8_mm(x8, x_scale, self.weight8, self.scale)
             else:

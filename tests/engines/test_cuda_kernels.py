@@ -36,7 +36,7 @@ def test_kernel_in_the_triton_interpreter():
 def test_kernel_on_cuda():
     from tests.engines.kernels_check import (check_borders, check_fp8_layer, check_fp8_mm,
                                              check_int4_layer, check_int4_mm, check_model,
-                                             check_op, check_silu_mul)
+                                             check_op, check_quantize_rows, check_silu_mul)
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
@@ -45,27 +45,9 @@ def test_kernel_on_cuda():
     check_int4_layer(device="cuda")
     check_fp8_mm(device="cuda")
     check_fp8_layer(device="cuda")
+    check_quantize_rows(device="cuda")
     check_model(window=None, device="cuda")
     check_model(window=8, device="cuda")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("gemlite") is None,
-                    reason="needs a CUDA GPU and the gemlite package")
-def test_gemlite_int4_layer_computes_the_dequantized_layer():
-    """GemLite's kernels (one row, a few, many) against duet's int4 format dequantized: its
-    shift = zero - 8 * scale carries duet's zero point."""
-    from engines.torch_engine import quant
-
-    torch.manual_seed(1)
-    linear = torch.nn.Linear(512, 256, bias=True).to(torch.bfloat16).cuda()
-    fast = quant.Int4Linear(linear, "gemlite", 64)
-    slow = quant.Int4Linear(linear, "dequant", 64)
-    for rows in (1, 3, 64, 200):
-        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-        got, want = fast(x), slow(x)
-        assert got.shape == (rows, 256) and got.dtype == torch.bfloat16
-        tol = 0.02 * want.float().abs().max().item()
-        assert (got.float() - want.float()).abs().max().item() <= tol, rows
 
 
 def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
@@ -123,16 +105,6 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "N": "i32", "K": "i32"},
         {"GROUP": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
-    ("int4_kernel", "_int4_gemv_kernel", "split"): (
-        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "N": "i32",
-         "K": "i32"},
-        {"GROUP": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4},
-        {"num_warps": 4, "num_stages": 3}),
-    ("int4_kernel", "_int4_gemv_kernel", "whole"): (  # GGUF's groups, 4 a step
-        {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": PTR16, "N": "i32",
-         "K": "i32"},
-        {"GROUP": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
-        {"num_warps": 4, "num_stages": 3}),
     ("int4_kernel", "_int4_mm_kernel", "prefill"): (  # not split: the result in bfloat16
         {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": PTR16, "M": "i32",
          "N": "i32", "K": "i32"},
@@ -151,6 +123,8 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "M": "i32", "N": "i32", "K": "i32"},
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1},
         {"num_warps": 4, "num_stages": 4}),
+    ("fp8_kernel", "_quantize_rows_kernel"): (
+        {"X": PTR16, "X8": "*fp8e4nv", "XScale": "*fp32", "K": "i32"}, {"BLOCK": 1024}),
     ("int4_kernel", "_sum_splits_kernel"): (
         {"Parts": "*fp32", "Out": PTR16, "size": "i32"}, {"SPLIT_K": 4, "BLOCK": 1024}),
     ("nucleus_kernel", "_borders_kernel"): (

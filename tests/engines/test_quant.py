@@ -139,31 +139,25 @@ def test_int4_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monk
     assert quant.kernel("int8", "cuda", (4096, 4096), 64) == "cuda"
 
 
-def test_fp8_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monkeypatch):
+def test_fp8_on_cuda_takes_duets_kernel_on_hopper_unless_told_and_the_shape_fits(monkeypatch):
     from engines.torch_engine import int4_kernel
 
     if int4_kernel.triton is None:
         pytest.skip("Triton is not installed")
-    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"  # by default
-    monkeypatch.setenv("DUET_FP8_KERNEL", "triton")
-    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"
+    capability = {"cuda": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability["cuda"])
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"  # Hopper: by default
     assert quant.kernel("fp8", "cuda", (4096, 4000)) == "cuda"  # K not whole steps of 128
     assert quant.kernel("fp8", "cpu", (4096, 4096)) == "dequant"  # CUDA only
-
-
-def test_int4_on_cuda_takes_gemlite_only_when_asked_installed_and_the_shape_fits(monkeypatch):
-    from engines.torch_engine import int4_gemlite
-
-    monkeypatch.setattr(int4_gemlite, "available", lambda: True)
-    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "cuda"  # tinygemm by default
-    monkeypatch.setenv("DUET_INT4_KERNEL", "gemlite")
-    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "gemlite"
-    assert quant.kernel("int4", "cuda", (4096, 14336), 32) == "gemlite"
-    assert quant.kernel("int4", "cuda", (4096, 4032), 48) == "dequant"  # groups of 32s only
-    assert quant.kernel("int4", "cuda", (16, 4096), 64) == "cuda"  # too narrow for its tiles
-    assert quant.kernel("int4", "cpu", (4096, 4096), 64) == "cpu"  # CUDA only
-    monkeypatch.setattr(int4_gemlite, "available", lambda: False)
-    assert quant.kernel("int4", "cuda", (4096, 4096), 64) == "cuda"
+    monkeypatch.setenv("DUET_FP8_KERNEL", "aten")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"
+    capability["cuda"] = (8, 9)  # Ada: fp8 tensor cores, the kernel unmeasured
+    monkeypatch.delenv("DUET_FP8_KERNEL")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"
+    monkeypatch.setenv("DUET_FP8_KERNEL", "triton")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"
+    capability["cuda"] = (8, 0)  # no fp8 tensor cores at all
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"
 
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 4096, 4096, 64), (1, 4096, 14336, 64),
