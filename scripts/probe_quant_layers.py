@@ -106,6 +106,13 @@ def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
     return out
 
 
+def report(kind: str, n: int, k: int, rows: int, plans: dict, weight: int) -> None:
+    """The five fastest tilings of a sweep, with the bandwidth each read the weight at."""
+    best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
+    print(f"N={n} K={k} rows={rows} {kind} plans, fastest: " + ", ".join(
+        f"{key} {v:.1f} us ({weight / v / 1e3:.0f} GB/s)" for v, key in best), flush=True)
+
+
 def weight_bytes(fmt: str, n: int, k: int, group: int = 64) -> int:
     if fmt == "bf16":
         return 2 * n * k
@@ -149,17 +156,11 @@ def main() -> int:
             for fmt, layer in layers.items():
                 row[fmt] = round(microseconds(torch.compile(layer), x), 1)
             if args.int4_plans:
-                row["int4_plans"] = plans = int4_plans(n, k, rows)
-                best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
-                print(f"N={n} K={k} rows={rows} int4 plans, fastest: " + ", ".join(
-                    f"{key} {v:.1f} us ({n * k // 2 / v / 1e3:.0f} GB/s)" for v, key in best),
-                    flush=True)
+                row["int4_plans"] = int4_plans(n, k, rows)
+                report("int4", n, k, rows, row["int4_plans"], n * k // 2)
             if args.fp8_plans:
-                row["fp8_plans"] = plans = fp8_plans(n, k, rows)
-                best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
-                print(f"N={n} K={k} rows={rows} fp8 plans, fastest: " + ", ".join(
-                    f"{key} {v:.1f} us ({n * k / v / 1e3:.0f} GB/s)" for v, key in best),
-                    flush=True)
+                row["fp8_plans"] = fp8_plans(n, k, rows)
+                report("fp8", n, k, rows, row["fp8_plans"], n * k)
             results.append(row)
             print(f"N={n} K={k} rows={rows}: " + " | ".join(
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"

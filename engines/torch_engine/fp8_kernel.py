@@ -18,12 +18,12 @@ fp8 by fp8 into float32, and scales the tile by its rows' and columns' scales.""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from . import int4_kernel
 from .decode_attention import triton
+from .int4_kernel import Plan
 
 # Up to this many rows the kernel runs; more take torch._scaled_mm (on an H100 the two were
 # even at 128 rows, the kernel slower on the widest layer; a prefill's many rows are bound by
@@ -86,19 +86,6 @@ if triton is not None:
         tl.store(XScale + row, scale)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A product's tiles: BLOCK_M rows, BLOCK_N columns, BLOCK_K inputs a step, the inputs split
-    SPLIT_K ways."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    warps: int
-    stages: int
-
-
 def plan(m: int, n: int, k: int) -> Plan:
     """Tiles of 64 rows, 256 inputs a step, not split; 128 columns for the wide layers, else 64
     (more programs for the GPU's SMs). Measured on an H100 at 64 rows over 72 tilings of each 8B
@@ -151,16 +138,11 @@ def launch(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, scale
     """fp8_mm with the tiles of p (scripts/probe_quant_layers.py --fp8-plans tries others)."""
     m, k = x8.shape
     n = weight8.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x8.device)
-    parts = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x8.device) \
-        if p.split_k > 1 else out
+    out, parts = int4_kernel.outputs(m, n, p.split_k, torch.bfloat16, x8.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
     _fp8_mm_kernel[grid](x8.contiguous(), x_scale.reshape(-1).float().contiguous(), weight8,
                          scale, parts, m, n, k, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
                          BLOCK_K=p.block_k, SPLIT_K=p.split_k,
                          PRECISE_EVERY=min(p.block_k, PRECISE_EVERY), num_warps=p.warps,
                          num_stages=p.stages)
-    if p.split_k > 1:
-        int4_kernel._sum_splits_kernel[(triton.cdiv(m * n, int4_kernel.SUM_BLOCK),)](
-            parts, out, m * n, SPLIT_K=p.split_k, BLOCK=int4_kernel.SUM_BLOCK)
-    return out
+    return int4_kernel.add_splits(parts, out, p.split_k)

@@ -205,15 +205,29 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     # Each split's part apart, added in split order after (one small kernel, which also
     # rounds): a row's result is the same bits every time, as atomic adds in whatever order
     # the programs end would not give.
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) \
-        if p.split_k > 1 else out
+    out, parts = outputs(m, n, p.split_k, x.dtype, x.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
     _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k, GROUP=group,
                           BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
                           SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
                           num_warps=p.warps, num_stages=p.stages)
-    if p.split_k > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n,
-                                                             SPLIT_K=p.split_k, BLOCK=SUM_BLOCK)
+    return add_splits(parts, out, p.split_k)
+
+
+def outputs(m: int, n: int, split_k: int, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's result [M, N] and where its programs write: the result itself, or when the
+    inputs are split, float32 parts [SPLIT_K, M, N] for add_splits."""
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    if split_k == 1:
+        return out, out
+    return out, torch.empty(split_k, m, n, dtype=torch.float32, device=device)
+
+
+def add_splits(parts: torch.Tensor, out: torch.Tensor, split_k: int) -> torch.Tensor:
+    """out = the parts' sum in split order (nothing to do when not split)."""
+    if split_k > 1:
+        size = out.numel()
+        _sum_splits_kernel[(triton.cdiv(size, SUM_BLOCK),)](parts, out, size, SPLIT_K=split_k,
+                                                            BLOCK=SUM_BLOCK)
     return out
