@@ -36,6 +36,8 @@ PRECISE_EVERY = 128
 if triton is not None:
     import triton.language as tl
 
+    from .int4_kernel import tile
+
     @triton.jit
     def _fp8_mm_kernel(X, XScale, W, Scale, Out, M, N, K, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -43,14 +45,10 @@ if triton is not None:
         """Out[pid_k, M, N] = (X[M, K] @ W[N, K]^T) * XScale[M, None] * Scale[None, N] over
         this program's share of K (float32 parts when split, for _sum_splits_kernel; else in
         Out's dtype). X and W are e4m3."""
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < M, cols < N
+        rows, cols, row_ok, col_ok, first, last = tile(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        per_split = K // SPLIT_K
-        for start in range(pid_k * per_split, (pid_k + 1) * per_split, BLOCK_K):
+        for start in range(first, last, BLOCK_K):
             x = tl.load(X + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
                         other=0.0)
             w = tl.load(W + cols[None, :] * K + (start + ks)[:, None], mask=col_ok[None, :],
@@ -61,7 +59,7 @@ if triton is not None:
             acc = tl.dot(x, w, acc, max_num_imprecise_acc=PRECISE_EVERY)
         x_scale = tl.load(XScale + rows, mask=row_ok, other=0.0)
         scale = tl.load(Scale + cols, mask=col_ok, other=0.0)
-        out = Out + pid_k * M * N + rows[:, None] * N + cols[None, :]
+        out = Out + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out, (acc * x_scale[:, None] * scale[None, :]).to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 

@@ -63,19 +63,25 @@ if triton is not None:
                 + _spread(zero, GROUP, BLOCK_K, BLOCK_N))
 
     @triton.jit
+    def tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+        """A tiled product's program (rows, columns, split): its rows and columns, which of
+        them exist, and the inputs it sums (first to last)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        per_split = K // SPLIT_K
+        first = tl.program_id(2) * per_split
+        return rows, cols, rows < M, cols < N, first, first + per_split
+
+    @triton.jit
     def _int4_mm_kernel(X, QW, Scales, Zeros, Out, M, N, K,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BF16_DOT: tl.constexpr):
         """Out[pid_k, M, N] = X[M, K] @ dequant(QW)[K, N] over this program's share of K (in
         float32 when split, for _sum_splits_kernel; else in the activations' dtype)."""
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < M, cols < N
+        rows, cols, row_ok, col_ok, first, last = tile(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        per_split = K // SPLIT_K
-        for start in range(pid_k * per_split, (pid_k + 1) * per_split, BLOCK_K):
+        for start in range(first, last, BLOCK_K):
             x = tl.load(X + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
                         other=0.0)
             w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K, BLOCK_N)
@@ -84,7 +90,7 @@ if triton is not None:
             else:  # Triton's interpreter multiplies bfloat16 as raw bits: its tests' path
                 acc += tl.dot(x.to(tl.float32), w.to(tl.bfloat16).to(tl.float32),
                               input_precision="ieee")
-        out = Out + pid_k * M * N + rows[:, None] * N + cols[None, :]
+        out = Out + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
