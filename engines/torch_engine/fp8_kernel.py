@@ -1,5 +1,6 @@
 """fp8 (e4m3) weights times fp8 activations on the tensor cores, in a Triton kernel of duet's
-own, for CUDA, for the few dozen to few hundred rows of a batched decode step.
+own, for CUDA, for the 16 to 64 rows of a batched decode step (opt-in: DUET_FP8_KERNEL=triton).
+Also the activations' quantization in one kernel, for the eager prefill's products.
 
 Why: measured on an H100 (probe_quant_layers.py, 2026-11-26), torch._scaled_mm at 64 rows took
 47 us for the 8B down projection [4096 x 14336], as long as bf16's, reading its weight at 1.25
