@@ -163,11 +163,11 @@ def main() -> int:
           + "   vs one GPU      batch-1 floor")
     for r in results:
         base = one.get(r["model"]) if r["ranks"] > 1 else None
-        ratios = " ".join(f"{r['levels'][n]['aggregate_tok_s'] / base['levels'][n]['aggregate_tok_s']:.2f}x"
-                          for n in levels) if base else "-"
         r["vs_one_gpu"] = {n: round(r["levels"][n]["aggregate_tok_s"]
                                     / base["levels"][n]["aggregate_tok_s"], 3)
                            for n in levels} if base else None
+        ratios = (" ".join(f"{v:.2f}x" for v in r["vs_one_gpu"].values())
+                  if base else "-")
         print(f"{r['config']:<28} {r['ready_s']:>8} "
               + " ".join(f"{r['levels'][n]['aggregate_tok_s']:>10,.0f}" for n in levels)
               + f"   {ratios:<15} {r['batch1_floor_tok_s'] or '-'}")

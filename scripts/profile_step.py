@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +54,6 @@ class Timer:
 
 def feature_params(feature: str, max_tokens: int):
     """bench_features.py's request fields for `feature` as the engine's SamplingParams."""
-    from dataclasses import replace
-
     from bench_features import FEATURES
 
     from engines.base import SamplingParams
@@ -120,8 +120,6 @@ def main() -> int:
     path = (Path(args.model_dir) if args.model_dir
             else write_dummy_model(args.model, Path(args.cache) / args.model))
     if args.trace and args.tensor_parallel > 1:  # the other ranks trace their first steps
-        import os
-
         os.environ["DUET_RANK_TRACE"] = str(Path(args.trace).with_suffix(""))
     started = time.perf_counter()
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
@@ -164,8 +162,6 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
     timer.wrap(ex._processor._masks, "compute", "grammar masks (on the worker if pipelined)")
     # One request through first, so the prefill profiled below is not the process's first of
     # its shape (allocator growth, kernels chosen on first use).
-    from dataclasses import replace
-
     runtime.add(Submission([(5 * j) % 9000 + 100 for j in range(args.prompt_tokens)],
                            replace(params, max_tokens=2), lambda e: None))
     while runtime.has_work:

@@ -139,7 +139,7 @@ def launch(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, scale
     n = weight8.shape[0]
     out, parts = int4_kernel.outputs(m, n, p.split_k, torch.bfloat16, x8.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
-    _fp8_mm_kernel[grid](x8.contiguous(), x_scale.reshape(-1).float().contiguous(), weight8,
+    _fp8_mm_kernel[grid](x8.contiguous(), x_scale.reshape(-1), weight8,
                          scale, parts, m, n, k, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
                          BLOCK_K=p.block_k, SPLIT_K=p.split_k,
                          PRECISE_EVERY=min(p.block_k, PRECISE_EVERY), num_warps=p.warps,

@@ -131,8 +131,8 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
-    """Few rows (decode): tiles of 16 rows (the tensor cores' least) by 128 columns, 128 inputs a step. More
-    rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
+    """Few rows (decode): tiles of 16 rows (the tensor cores' least) by 128 columns, 128
+    inputs a step. More rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
     (up to 8 ways) until there are about four programs an SM: a product of 4,096 columns has
     only 32 tiles of them, and a matrix-vector product is bound by the bytes in flight.
 
