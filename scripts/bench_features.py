@@ -72,6 +72,11 @@ FEATURES: dict[str, dict] = {
 }
 
 
+def _median(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def dummy_with_real_tokenizer(shape: str, work_dir: Path) -> tuple[str, Path]:
     """A model directory of `shape`'s random weights and the default model's tokenizer, and a
     registry file serving it on the torch engine: (its model id, the registry file)."""
@@ -177,6 +182,11 @@ def main() -> int:
                     "decode_tok_s_p50": statistics.median(
                         r["per_client_decode_tok_s_p50"] or 0 for r in runs[f]),
                     "ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in runs[f]),
+                    # Where a slow level's time went: the server's own first-token time, the
+                    # engine's step at the peak batch, the load generator's CPU share.
+                    **{key: _median(r[key] for r in runs[f])
+                       for key in ("server_ttft_ms_p50", "engine_step_ms_at_peak_batch",
+                                   "client_cpu_share")},
                     "peak_batch": max(r["peak_batch"] for r in runs[f]),
                 })
                 r = rows[-1]

@@ -16,7 +16,8 @@ import torch
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
 from .processing import RowProcessor, StepProcessing
-from .sampling import Sampler, ScoredRows, sample_rows, score_tokens, token_logprobs
+from .sampling import (Sampler, ScoredRows, sample_rows, score_tokens, scores_table,
+                       token_logprobs)
 from .transfer import ReadBack
 
 
@@ -64,7 +65,9 @@ class TorchExecutor:
         self._told = False  # this step's plan went to the other ranks (tensor parallelism)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
-        self._sampler = decoder.sampler if decoder is not None and decoder.head else Sampler()
+        graphed = decoder is not None and decoder.head
+        self._sampler = decoder.sampler if graphed else Sampler()
+        self._scorer = decoder.scorer if graphed else scores_table
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
@@ -108,8 +111,8 @@ class TorchExecutor:
                 tokens = torch.cat([torch.argmax(x, dim=-1) if g is None else g
                                     for x, g in zip(logits, greedy)])
                 scored = any(r.sampling.logprobs is not None for r in due)
-                return self._sampled(Launched(due, prompt_scores), tokens,
-                                     torch.cat(logits) if scored else None)
+                whole = (torch.cat(logits) if len(logits) > 1 else logits[0]) if scored else None
+                return self._sampled(Launched(due, prompt_scores), tokens, whole)
             # The graphs' greedy picks were made before any processing: picked anew. Pipelined
             # (no tensor parallelism, whose ranks take the picks at once), the grammar masks are
             # computed on a worker while the runtime reads back and hands out the last step, and
@@ -146,7 +149,7 @@ class TorchExecutor:
         step's PENDING rows find their tokens."""
         due = launched.due
         if any(r.sampling.logprobs is not None for r in due):
-            launched.scored = token_logprobs(whole, tokens, due)
+            launched.scored = token_logprobs(whole, tokens, due, self._scorer)
         if self.ranks is not None and self.pipelined:
             self.model.token_share.send(tokens)  # the ranks' next step takes its PENDING tokens
         launched.pending = self._readback.start(tokens)

@@ -242,17 +242,32 @@ class ScoredRows:
         }
 
 
-def _scored(logits: torch.Tensor, tokens: torch.Tensor, keys: list, ks: list[int]) -> ScoredRows:
-    """Row i of logits [N, V] scored at tokens[i]: the log-softmax there and the ks[i]
-    likeliest tokens', kept under keys[i]."""
+def scores_table(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """ScoredRows' table for logits [N, V] at tokens [N]: each row's log-softmax at its token,
+    its k likeliest scores, their ids. Device ops alone, no host read: a CUDA graph holds it
+    (cuda_graphs.GraphScorer)."""
     scores = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # one pass, not two
     chosen = scores.gather(1, tokens.view(-1, 1))
-    top = torch.topk(scores, max(1, max(ks)), dim=-1)
-    return ScoredRows(keys, torch.cat([chosen, top.values, top.indices.float()], dim=1), ks)
+    top = torch.topk(scores, k, dim=-1)
+    return torch.cat([chosen, top.values, top.indices.float()], dim=1)
+
+
+class Scores(Protocol):
+    """scores_table(), or the same replayed as CUDA graphs (cuda_graphs.GraphScorer), which
+    may give more than k alternatives (a row reads its own first ones)."""
+
+    def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor: ...
+
+
+def _scored(logits: torch.Tensor, tokens: torch.Tensor, keys: list, ks: list[int],
+            scorer: Scores = scores_table) -> ScoredRows:
+    """Row i of logits [N, V] scored at tokens[i]: the log-softmax there and the ks[i]
+    likeliest tokens', kept under keys[i]."""
+    return ScoredRows(keys, scorer(logits, tokens, max(1, max(ks))), ks)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                   rows: Sequence[ScheduledSeq]) -> ScoredRows:
+                   rows: Sequence[ScheduledSeq], scorer: Scores = scores_table) -> ScoredRows:
     """For each row whose sampling asks for log-probabilities: the log-softmax of its logits
     (after the row's processing, before temperature and the other filters) at the token it got,
     and its k most likely tokens."""
@@ -261,7 +276,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         pick = to_device(asked, torch.long, logits.device)
         logits, tokens = logits.index_select(0, pick), tokens.index_select(0, pick)
     return _scored(logits, tokens, [rows[i].seq_id for i in asked],
-                   [rows[i].sampling.logprobs for i in asked])
+                   [rows[i].sampling.logprobs for i in asked], scorer)
 
 
 def score_tokens(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:

@@ -10,13 +10,43 @@ from engines.torch_engine import TorchEngine
 PROMPTS = [[5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200], [9, 8], [100, 101, 102, 103, 104]]
 
 
+class ReplayedGraphs:
+    """A stand-in for cuda_graphs.CudaGraphs on the CPU: capture() runs the step once and keeps
+    its outputs; a replay runs the step again and copies the results into those outputs, as a
+    CUDA graph's replay overwrites them."""
+
+    def __init__(self):
+        self.captured = []
+
+    def capture(self, step):
+        out = step()
+        self.captured.append(out)
+
+        def replay():
+            for kept, new in zip(out, step()):
+                kept.copy_(new)
+
+        return replay, out
+
+    def synchronize(self):
+        pass
+
+
 def make_engine(kind, path):
+    """kind: "torch", "mlx", or "torch-graphs" (the torch engine's pipelined step through its
+    CUDA graph decoder, replayed on the CPU by ReplayedGraphs)."""
     if kind == "mlx":
         pytest.importorskip("mlx_lm")
         from engines.mlx_engine import MLXEngine
 
         return MLXEngine(path, context_length=96, dtype="float32")
-    return TorchEngine(path, context_length=96, dtype="float32", device="cpu")
+    engine = TorchEngine(path, context_length=96, dtype="float32", device="cpu")
+    if kind == "torch-graphs":
+        from engines.torch_engine.cuda_graphs import GraphDecoder
+
+        engine.decoder = GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                      graphs=ReplayedGraphs())
+    return engine
 
 
 def run_batch(engine, params, join_at, prompts=None):

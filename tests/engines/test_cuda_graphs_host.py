@@ -10,29 +10,8 @@ from engines.base import SamplingParams
 from engines.runtime.plan import PENDING
 from engines.runtime.runtime import Runtime
 from engines.torch_engine import TorchEngine, cuda_graphs
-from tests.engines.helpers import run_together
+from tests.engines.helpers import ReplayedGraphs, run_together
 from tests.engines.test_batching import GREEDY, PROMPTS, alone, three_in_a_nine_block_pool
-
-
-class ReplayedGraphs:
-    """capture() runs the step once and keeps its outputs; a replay runs the step again and
-    copies the results into those outputs, as a CUDA graph's replay overwrites them."""
-
-    def __init__(self):
-        self.captured = []
-
-    def capture(self, step):
-        out = step()
-        self.captured.append(out)
-
-        def replay():
-            for kept, new in zip(out, step()):
-                kept.copy_(new)
-
-        return replay, out
-
-    def synchronize(self):
-        pass
 
 
 def test_buckets():
@@ -70,7 +49,7 @@ def test_graph_decoded_batches_give_each_row_its_solo_tokens(tiny_dirs, family, 
     # Every step replayed a graph captured at warm-up: none captured again, none for a batch
     # or length outside the buckets (the sampler's: a pair per batch bucket).
     assert set(engine.decoder._graphs) == buckets
-    assert len(graphs.captured) == len(buckets) + 2 * 2
+    assert len(graphs.captured) == len(buckets) + 2 * 2 + 3 * 2  # and the scorer's
     # Seeded sampling through the graphs' logits: the same draws as alone.
     params = SamplingParams(max_tokens=8, temperature=0.9, top_k=30, seed=5, ignore_eos=True)
     engine_solo = alone(engine, PROMPTS[0], params)
@@ -239,6 +218,54 @@ def test_the_sampler_graphs_draw_what_the_sampler_does(monkeypatch):
             got = graphs(logits, floats, ints, ranked)
             assert got.tolist() == direct(logits, floats, ints, ranked).tolist()
     assert set(graphs._graphs) == {(2, False), (2, True), (4, True), (8, False), (8, True)}
+
+
+def test_the_scorer_graphs_score_what_the_scores_table_does():
+    """Replayed as graphs (a bucket per batch size, one per bucket of alternatives), token
+    log-probabilities are the eager table's: padding rows and stale inputs change nothing, a
+    row of k alternatives finds them first in a wider bucket, and a batch beyond the largest
+    bucket is scored directly."""
+    from engines.torch_engine import sampling
+
+    vocab = 300
+    graphs = cuda_graphs.GraphScorer(ReplayedGraphs(), max_batch=8, vocab=vocab, device="cpu")
+    assert graphs.buckets == [1, 2, 4, 8]
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for n, k in ((5, 3), (8, 20), (1, 1), (3, 5), (9, 2), (2, 21)):
+            logits = torch.randn(n, vocab, generator=gen) * 3
+            tokens = torch.randint(vocab, (n,), generator=gen)
+            want = sampling.scores_table(logits, tokens, k)
+            got = graphs(logits, tokens, k)
+            wide = (got.shape[1] - 1) // 2
+            assert got.shape[0] == n and wide >= k
+            torch.testing.assert_close(got[:, : 1 + k], want[:, : 1 + k])
+            torch.testing.assert_close(got[:, 1 + wide: 1 + wide + k], want[:, 1 + k:])
+            keys = list(range(n))
+            assert (sampling.ScoredRows(keys, got, [k] * n).read()
+                    == sampling.ScoredRows(keys, want, [k] * n).read())
+    assert set(graphs._graphs) == {(8, 5), (8, 20), (1, 5), (4, 5)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_scorer_captured_on_cuda_scores_as_the_table_does():
+    """Real CUDA graphs: torch.topk and the rest capture without a host read, and replay the
+    eager table's scores over a 49k vocabulary (float32 logits: bfloat16's ties could be
+    ranked either way)."""
+    from engines.torch_engine import sampling
+
+    vocab = 49152
+    scorer = cuda_graphs.GraphScorer(cuda_graphs.CudaGraphs(), 64, vocab, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    with torch.inference_mode():
+        scorer.warm_up()
+        for n, k in ((64, 5), (3, 20), (17, 1)):
+            logits = torch.randn(n, vocab, device="cuda", generator=gen) * 4
+            tokens = torch.randint(vocab, (n,), device="cuda", generator=gen)
+            got, want = scorer(logits, tokens, k), sampling.scores_table(logits, tokens, k)
+            wide = (got.shape[1] - 1) // 2
+            torch.testing.assert_close(got[:, : 1 + k], want[:, : 1 + k])
+            torch.testing.assert_close(got[:, 1 + wide: 1 + wide + k], want[:, 1 + k:])
 
 
 def test_a_split_vocabulary_projection_decodes_as_the_whole(tiny_dirs):

@@ -23,7 +23,7 @@ def reference_scores(engine, prompt, tokens):
     return rows - np.logaddexp.reduce(rows, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("kind", ["torch", "mlx"])
+@pytest.mark.parametrize("kind", ["torch", "torch-graphs", "mlx"])
 def test_logprobs_are_the_models_scores_in_a_mixed_batch(tiny_dirs, kind):
     engine = make_engine(kind, tiny_dirs["llama"][0])
     plain = [SamplingParams(**{**p.__dict__, "logprobs": None}) for p in ASKED]
