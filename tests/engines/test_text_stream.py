@@ -286,3 +286,19 @@ def test_the_tokenizer_crosses_a_process_boundary_with_a_lock_of_its_own(byte_bp
 def test_a_complete_stop_wins_over_a_longer_one_starting_at_the_same_place():
     matcher = StopMatcher(["ab", "abc"])
     assert matcher.feed("xab") == "x" and matcher.stopped
+
+
+def test_token_names_spell_each_token_once(tiny_dirs, monkeypatch):
+    """Logprobs' names: each token's own bytes (decoded, U+FFFD for part of a character), the
+    same in any list; a list with tokens named before spells only the new ones."""
+    tok = ChatTokenizer(tiny_dirs["llama"][0])
+    ids = tok.encode("Hello 世界 naïve")
+    spelled = []
+    spell = tok._spell
+    monkeypatch.setattr(tok, "_spell", lambda some: spelled.append(list(some)) or spell(some))
+    first = tok.token_names(ids[:3])
+    names = tok.token_names(ids + ids[:2])
+    assert names[:3] == first and names[-2:] == names[:2]
+    assert spelled == [ids[:3], [i for i in dict.fromkeys(ids) if i not in ids[:3]]]
+    assert b"".join(bytes(raw) for _, raw in names[: len(ids)]).decode() == "Hello 世界 naïve"
+    assert all(text == bytes(raw).decode("utf-8", errors="replace") for text, raw in names)
