@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..base import Cancelled, SamplingParams, StopCheck, TokenLogprobs
-from ..grammar import GrammarState
+from ..grammar import GrammarState, PreparedGrammars
 from ..processing import Processing
 from .delivery import Delivery
 from .output import RequestOutput
@@ -81,6 +81,7 @@ class Runtime:
         self._scoring: deque[tuple[_Live, Generator]] = deque()
         self._preparing: Preparer[Submission] | None = (
             Preparer(f"{engine.name}-prepare") if prepare_aside else None)
+        self._grammars: PreparedGrammars | None = None  # each grammar's matcher, made once
         self._ids = engine.seq_ids
         self._meter = engine.meter
         self.last_batch = 0
@@ -162,9 +163,10 @@ class Runtime:
         if params.grammar is None:
             return None
         tokenizer = self.engine.tokenizer
-        return GrammarState.prepared(
-            params.grammar, tokenizer.grammar_vocabulary(),
-            frozenset() if params.ignore_eos else tokenizer.eos_token_ids)
+        if self._grammars is None:  # the vocabulary's llguidance view: made on first use
+            self._grammars = PreparedGrammars(tokenizer.grammar_vocabulary())
+        return self._grammars.state(
+            params.grammar, frozenset() if params.ignore_eos else tokenizer.eos_token_ids)
 
     def _take_prepared(self) -> None:
         """Requests whose grammar is ready join the queue; one whose grammar failed ends."""

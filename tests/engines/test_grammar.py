@@ -207,6 +207,59 @@ def test_prepared_states_mask_as_fresh_ones(tiny_dirs):
     assert not np.array_equal(state.bitmask(brace, 300), fresh)
 
 
+def test_kept_grammars_give_each_request_a_matcher_of_its_own(tiny_dirs, monkeypatch):
+    """A grammar made once serves every request that follows it: each gets a copy at the
+    start, whose tokens move it alone (another copy, taken before or after, masks as a fresh
+    state does); the ends differ by the request's end tokens; the grammars used last are
+    kept, the oldest dropped."""
+    from engines.grammar import GrammarState, PreparedGrammars
+
+    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
+    grammar, end = json_schema_grammar(SCHEMA), min(tok.eos_token_ids)
+    made = []
+    prepared = GrammarState.prepared
+    monkeypatch.setattr(GrammarState, "prepared",
+                        classmethod(lambda cls, *a: made.append(a[0]) or prepared(*a)))
+    kept = PreparedGrammars(tok.grammar_vocabulary(), size=2)
+    fresh = GrammarState(grammar, tok.grammar_vocabulary(), frozenset({end}))
+    brace = tok.encode("{")
+    first = kept.state(grammar, frozenset({end}))
+    assert np.array_equal(first.bitmask(brace, 300), fresh.bitmask(brace, 300))
+    second = kept.state(grammar, frozenset({end}))
+    assert np.array_equal(second.bitmask([], 300),
+                          GrammarState(grammar, tok.grammar_vocabulary(),
+                                       frozenset({end})).bitmask([], 300))
+    assert not np.array_equal(second.bitmask([], 300), first.bitmask(brace, 300))
+    assert made == [grammar]
+    kept.state(grammar, frozenset())  # another end: another grammar
+    other = json_schema_grammar({"type": "object", "properties": {"x": {"type": "integer"}}})
+    kept.state(other, frozenset({end}))  # the third: the first made is dropped
+    kept.state(grammar, frozenset({end}))
+    assert made == [grammar, grammar, other, grammar]
+
+
+def test_a_schema_is_made_into_its_grammar_once(monkeypatch):
+    """json_schema_grammar() keeps what it made by the schema's text (keys in their order,
+    which is the output's); a schema it cannot follow is refused each time it comes."""
+    from llguidance import LLMatcher
+
+    from engines.grammar import GrammarError
+
+    made = []
+    make = LLMatcher.grammar_from_json_schema
+    monkeypatch.setattr(LLMatcher, "grammar_from_json_schema",
+                        lambda *a, **k: made.append(a[0]) or make(*a, **k))
+    a = {"type": "object", "properties": {"kept-once": {"type": "integer"}, "b": {}}}
+    b = {"type": "object", "properties": {"b": {}, "kept-once": {"type": "integer"}}}
+    assert json_schema_grammar(a) == json_schema_grammar(dict(a))
+    assert json_schema_grammar(b) != json_schema_grammar(a)
+    assert made == [a, b]
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            json_schema_grammar({"type": "string", "format": "no-such-format-at-all"})
+    assert len(made) == 4
+
+
 def test_a_grammar_is_made_beside_the_steps_and_a_stopped_one_never_joins(tiny_dirs,
                                                                         monkeypatch):
     """Making a request's grammar (its vocabulary view takes over a second for a real model)
