@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
 # int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), beside
 # tinygemm's (int4)
-# fp8: the compiled weight read below 16 rows, torch._scaled_mm from 16; fp8-triton: duet's fp8
-# kernel for 16-64 rows instead (fp8_kernel.py, DUET_FP8_KERNEL=triton)
+# fp8: the compiled weight read below 16 rows, torch._scaled_mm from 16 (DUET_FP8_KERNEL=aten);
+# fp8-triton: duet's fp8 kernel for 16-64 rows instead (fp8_kernel.py, the default on Hopper)
 FORMATS = ("bf16", "int8", "int4", "int4-triton", "fp8", "fp8-triton")
 
 

@@ -1,5 +1,6 @@
 """fp8 (e4m3) weights times fp8 activations on the tensor cores, in a Triton kernel of duet's
-own, for CUDA, for the 16 to 64 rows of a batched decode step (opt-in: DUET_FP8_KERNEL=triton).
+own, for CUDA, for the 16 to 64 rows of a batched decode step (by default on Hopper GPUs; see
+wanted()).
 Also the activations' quantization in one kernel, for the eager prefill's products.
 
 Why: measured on an H100 (probe_quant_layers.py, 2026-11-26), torch._scaled_mm at 64 rows took
@@ -76,7 +77,10 @@ if triton is not None:
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
             top = tl.maximum(top, tl.abs(x))
-        scale = tl.maximum(tl.max(top, axis=0) / 448.0, 1e-12)
+        # div_rn here too: Triton's `/` is the GPU's approximate division (scales 1 ulp off
+        # torch's for random rows, measured on an H100).
+        largest = tl.max(top, axis=0)
+        scale = tl.maximum(tl.math.div_rn(largest, largest * 0.0 + 448.0), 1e-12)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -95,10 +99,16 @@ def plan(m: int, n: int, k: int) -> Plan:
     return Plan(64, 128 if n >= 16384 else 64, 256 if k % 256 == 0 else 128, 1, 4, 4)
 
 
-def wanted() -> bool:
-    """Opt-in (DUET_FP8_KERNEL=triton): measured faster than torch._scaled_mm at 16 and 64 rows
-    on an H100 with the tensor cores' fast sums, its float32-promoted sums not yet timed."""
-    return os.environ.get("DUET_FP8_KERNEL") == "triton" and triton is not None
+def wanted(device: str) -> bool:
+    """Whether fp8 layers take the kernel: by default on Hopper (compute capability 9.x), where
+    it was measured (an H100, its sums promoted to float32: each 8B layer 4-35% faster than
+    torch._scaled_mm at 16 and 64 rows, even at 128, probe_quant_layers.py, 2026-11-26).
+    DUET_FP8_KERNEL=aten keeps torch._scaled_mm there; =triton asks for the kernel on another
+    GPU with fp8 tensor cores (Ada, Blackwell: not measured)."""
+    choice = os.environ.get("DUET_FP8_KERNEL")
+    if triton is None or choice == "aten":
+        return False
+    return choice == "triton" or torch.cuda.get_device_capability(device)[0] == 9
 
 
 def fits(n: int, k: int) -> bool:

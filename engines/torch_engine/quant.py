@@ -19,8 +19,7 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   as `linear(x, w.to(dtype)) * scale`, which Inductor fuses into one weight-reading kernel for
   the compiled decode step of a few rows; more rows on the tensor cores, the activations
   quantized per row: int8 x int8 through torch._int_mm, fp8 (compute capability 8.9+) through
-  torch._scaled_mm, or for 16-64 rows duet's kernel with DUET_FP8_KERNEL=triton
-  (fp8_kernel.py).
+  torch._scaled_mm, or for 16-64 rows duet's kernel (fp8_kernel.py; by default on Hopper).
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
 """
@@ -87,7 +86,7 @@ def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # --- which kernel ---
 
 def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_GROUP) -> str:
-    """'cpu', 'cuda', 'triton' (int4_kernel.py or fp8_kernel.py, opt-in) or 'dequant' (the
+    """'cpu', 'cuda', 'triton' (int4_kernel.py, opt-in, or fp8_kernel.py) or 'dequant' (the
     portable path) for a layer of this format and [N, K]."""
     n, k = shape
     if device == "cpu":
@@ -97,7 +96,7 @@ def kernel(fmt: str, device: str, shape: tuple[int, int], group: int = DEFAULT_G
     if device.startswith("cuda"):
         if fmt == "int4" and int4_kernel.wanted() and int4_kernel.fits(n, k, group):
             return "triton"
-        if fmt == "fp8" and fp8_kernel.wanted() and fp8_kernel.fits(n, k):
+        if fmt == "fp8" and fp8_kernel.wanted(device) and fp8_kernel.fits(n, k):
             return "triton"
         # tinygemm packs K in tiles of 8 x 16 and N in 8s.
         if fmt == "int4" and (k % 128 or n % 8 or k % group):

@@ -139,17 +139,24 @@ def test_int4_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monk
     assert quant.kernel("int8", "cuda", (4096, 4096), 64) == "cuda"
 
 
-def test_fp8_on_cuda_takes_duets_kernel_only_when_asked_and_the_shape_fits(monkeypatch):
+def test_fp8_on_cuda_takes_duets_kernel_on_hopper_or_when_asked(monkeypatch):
     from engines.torch_engine import int4_kernel
 
     if int4_kernel.triton is None:
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
-    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"  # torch._scaled_mm by default
-    monkeypatch.setenv("DUET_FP8_KERNEL", "triton")
-    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[0])
+    monkeypatch.delenv("DUET_FP8_KERNEL", raising=False)
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"  # an H100, H200
     assert quant.kernel("fp8", "cuda", (4096, 4000)) == "cuda"  # K not whole steps of 128
     assert quant.kernel("fp8", "cpu", (4096, 4096)) == "dequant"  # CUDA only
+    monkeypatch.setenv("DUET_FP8_KERNEL", "aten")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"  # torch._scaled_mm
+    capability[0] = (8, 9)  # Ada: torch._scaled_mm unless asked
+    monkeypatch.delenv("DUET_FP8_KERNEL")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "cuda"
+    monkeypatch.setenv("DUET_FP8_KERNEL", "triton")
+    assert quant.kernel("fp8", "cuda", (4096, 4096)) == "triton"
 
 
 @pytest.mark.parametrize("m,n,k,group", [(1, 4096, 4096, 64), (1, 4096, 14336, 64),
