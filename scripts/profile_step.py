@@ -116,9 +116,6 @@ def main() -> int:
                              "of the CPUs)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "scripts"))
-    from engines.runtime.loop import GIL_SWITCH_INTERVAL_S
-
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the engine's own process has it
     batches = [int(b) for b in args.batches.split(",")]
     path = (Path(args.model_dir) if args.model_dir
             else write_dummy_model(args.model, Path(args.cache) / args.model))

@@ -27,17 +27,6 @@ from .runtime import Runtime, Submission
 
 log = logging.getLogger("duet.runtime")
 
-# How long a thread may keep the GIL while another waits for it, in a process that runs an
-# engine's loop. Its threads hand the GIL to each other every step: the loop's thread waits on
-# the device with it released and needs it back at once to launch the next step; the delivery
-# thread turns tokens into events; the grammar masks' worker needs it back the moment
-# llguidance is done, and the step waits for that. At CPython's default of 5 ms a busy thread
-# kept it that long: in the server's own process (H200, llama-3.2-1b, 64 clients) 4.3 ms steps
-# against 1.4 ms alone, 2.9 ms at 0.5 ms; on a fake engine of 1.5 ms steps and 64 clients on a
-# 2-core CPU, 0.2 ms gave 19.0k tok/s against 17.3k at 0.5 ms. The engine's own process
-# (process.py) and the server's set it.
-GIL_SWITCH_INTERVAL_S = 0.0002
-
 
 class EngineLoop:
     def __init__(self, name: str, *, after: Callable[[], None] | None = None, **runtime_options):

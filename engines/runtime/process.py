@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import pickle
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from ..base import (
     TokenLogprobs,
 )
 from ..generation import PromptSide
-from .loop import GIL_SWITCH_INTERVAL_S, EngineLoop
+from .loop import EngineLoop
 from .plan import RuntimeStatus
 from .runtime import Submission
 
@@ -205,7 +204,6 @@ def serve(commands, events, make: Callable[[], Any], name: str, log_level: int) 
     """The child's main: build the engine, say so, then run its loop for the parent."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # its threads hand the GIL over every step
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     child = _Child(events, name)

@@ -9,7 +9,6 @@ import itertools
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 from functools import partial
@@ -119,26 +118,6 @@ async def test_log_probabilities_and_a_grammar_cross_the_process_boundary():
         async for batch in worker.generate(worker.engine.tokenize("abc"), params):
             steps += [e for e in batch if isinstance(e, Step) and e.finish_reason is None]
         assert [s.logprobs for s in steps] == [fake_logprobs(t, 2) for t in b"cba"]
-    finally:
-        assert await worker.aclose(10)
-
-
-class SwitchingEngine(EchoEngine):
-    """Says in its name how long the process it runs in lets a thread keep the GIL."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.name = f"switch {sys.getswitchinterval()}"
-
-
-async def test_the_engine_process_hands_the_gil_over_as_the_server_does():
-    """The engine's threads (the step's, the delivery's, the grammar masks' worker) pass the
-    GIL to each other every step: its process lets one keep it 0.2 ms, not CPython's 5."""
-    from engines.runtime.loop import GIL_SWITCH_INTERVAL_S
-
-    worker = await started(partial(SwitchingEngine, "fake", max_batch=4))
-    try:
-        assert float(worker.engine.name.split()[1]) == pytest.approx(GIL_SWITCH_INTERVAL_S)
     finally:
         assert await worker.aclose(10)
 
