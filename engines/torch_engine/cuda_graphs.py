@@ -310,9 +310,10 @@ class GraphSampler:
 class GraphScorer:
     """Token log-probabilities (sampling.scores_table) replayed as CUDA graphs, one per batch
     bucket up to SAMPLER_GRAPH_ROWS and per bucket of alternatives (TOP_BUCKETS: a row reads
-    its own first k). Launched op by op, scoring 64 rows of a 49k vocabulary cost a step 0.33
-    ms of host time (an H100 host: torch.topk's launch alone 0.15 ms), a fifth of a 1B model's
-    step; as a graph it is one launch and two copies in. Larger batches score directly."""
+    its own first k). Launched op by op, scoring 64 rows of a 49k vocabulary cost a step 0.3-0.7
+    ms more host time than plain decoding (two H100 hosts; under cProfile torch.topk's launch
+    alone took about 0.15 ms), a fifth or more of a 1B model's step; as a graph it is one launch
+    and two copies in (the step's launch 1.08 -> 0.52 ms). Larger batches score directly."""
 
     TOP_BUCKETS = (5, 20)  # completions ask for at most 5, chat for at most 20
 
