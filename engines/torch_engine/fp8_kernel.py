@@ -101,7 +101,7 @@ def plan(m: int, n: int, k: int) -> Plan:
 
 def wanted(device: str) -> bool:
     """Whether fp8 layers take the kernel: by default on Hopper (compute capability 9.x), where
-    it was measured (an H100, its sums promoted to float32: each 8B layer 4-35% faster than
+    it was measured (an H100, its sums promoted to float32: each 8B layer 5-35% faster than
     torch._scaled_mm at 16 and 64 rows, even at 128, probe_quant_layers.py, 2026-11-26).
     DUET_FP8_KERNEL=aten keeps torch._scaled_mm there; =triton asks for the kernel on another
     GPU with fp8 tensor cores (Ada, Blackwell: not measured)."""
