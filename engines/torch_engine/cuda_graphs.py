@@ -251,23 +251,60 @@ class GraphDecoder:
 SAMPLER_GRAPH_ROWS = 64
 
 
-class GraphSampler:
+class BucketGraphs:
+    """A small step after the decode step (a draw, the tokens' scores) replayed as CUDA graphs,
+    one per batch bucket and per variant, captured on first use or at warm_up(). A subclass
+    keeps the graphs' inputs in buffers of the largest bucket's rows and says what a bucket's
+    step is (_step)."""
+
+    variants: tuple = ()
+
+    def __init__(self, graphs: CudaGraphs, buckets: list[int]):
+        self.graphs, self.buckets = graphs, buckets
+        self._graphs: dict[tuple[int, object], tuple[Callable[[], None], tuple]] = {}
+
+    def _step(self, b: int, variant) -> tuple:
+        raise NotImplementedError
+
+    def replay(self, b: int, variant) -> tuple:
+        """Bucket b's graph of this variant run; its outputs, which the next replay
+        overwrites."""
+        replay, out = self._graphs.get((b, variant)) or self._capture(b, variant)
+        replay()
+        return out
+
+    def _capture(self, b: int, variant):
+        with torch.inference_mode():
+            captured = self.graphs.capture(lambda: self._step(b, variant))
+        self._graphs[(b, variant)] = captured
+        return captured
+
+    def warm_up(self) -> None:
+        for b in self.buckets:
+            for variant in self.variants:
+                if (b, variant) not in self._graphs:
+                    self._capture(b, variant)
+
+
+class GraphSampler(BucketGraphs):
     """The sampler replayed as CUDA graphs, one per batch bucket (2 rows up to
     SAMPLER_GRAPH_ROWS) and per whether rows have a nucleus (top_k, top_p).
     Launched op by op, a draw's host work is 20-odd kernel launches (0.2 ms a step, 0.7 ms
     with top_p, measured on an H100), more than the decode step's replay; as a graph it is one
     launch and three copies in. Larger batches draw through the sampler directly."""
 
+    variants = (False, True)  # ranked: whether rows have a nucleus
+
     def __init__(self, backend: str | None, graphs: CudaGraphs, max_batch: int, vocab: int,
                  device: str):
+        # From 2: a lone row is drawn beside a padding row, in the graphs every batch shares.
+        super().__init__(graphs, batch_buckets(max(2, min(max_batch, SAMPLER_GRAPH_ROWS)))[1:])
         # No host reads in a graph; each row's nucleus border searched for, not sorted out,
         # on a GPU with Triton (nucleus_kernel).
         searched = device.startswith("cuda") and nucleus_kernel.available()
         self.sampler = Sampler(backend, captured=True,
                                borders=nucleus_kernel.borders if searched else None)
-        self.graphs, self.vocab = graphs, vocab
-        # From 2: a lone row is drawn beside a padding row, in the graphs every batch shares.
-        self.buckets = batch_buckets(max(2, min(max_batch, SAMPLER_GRAPH_ROWS)))[1:]
+        self.vocab = vocab
         rows = self.buckets[-1]
         # The graphs' inputs; a padding row keeps the last settings it had, always valid.
         # Inference tensors, as the executor's are: Dynamo would compile them apart.
@@ -275,78 +312,51 @@ class GraphSampler:
             self.logits = torch.zeros(rows, vocab, device=device)
             self.floats = torch.tensor([[1.0, -math.inf, 1.0]] * rows, device=device)
             self.ints = torch.tensor([[0, 0, vocab]] * rows, device=device)
-        self._graphs: dict[tuple[int, bool], tuple[Callable[[], None], tuple]] = {}
 
     def __call__(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                  ranked: int) -> torch.Tensor:
         n = logits.shape[0]
         if n > self.buckets[-1]:
             return self.sampler(logits, floats, ints, ranked)
-        b = smallest(self.buckets, n)
         self.logits[:n].copy_(logits)
         self.floats[:n].copy_(floats)
         self.ints[:n].copy_(ints)
-        replay, (tokens,) = self._graphs.get((b, ranked > 0)) or self._capture(b, ranked > 0)
-        replay()
+        (tokens,) = self.replay(smallest(self.buckets, n), ranked > 0)
         return tokens[:n].clone()  # the next replay overwrites the graph's output
 
-    def _capture(self, b: int, ranked: bool):
+    def _step(self, b: int, ranked: bool) -> tuple:
         # Ranked, every row's border is found over its whole vocabulary: one graph serves
         # every top_k and top_p.
         width = self.vocab if ranked else 0
-        with torch.inference_mode():
-            captured = self.graphs.capture(lambda: (self.sampler(
-                self.logits[:b], self.floats[:b], self.ints[:b], width),))
-        self._graphs[(b, ranked)] = captured
-        return captured
-
-    def warm_up(self) -> None:
-        for b in self.buckets:
-            for ranked in (False, True):
-                if (b, ranked) not in self._graphs:
-                    self._capture(b, ranked)
+        return (self.sampler(self.logits[:b], self.floats[:b], self.ints[:b], width),)
 
 
-class GraphScorer:
+class GraphScorer(BucketGraphs):
     """Token log-probabilities (sampling.scores_table) replayed as CUDA graphs, one per batch
-    bucket up to SAMPLER_GRAPH_ROWS and per bucket of alternatives (TOP_BUCKETS: a row reads
-    its own first k). Launched op by op, scoring 64 rows of a 49k vocabulary cost a step 0.3-0.7
+    bucket up to SAMPLER_GRAPH_ROWS and per bucket of alternatives (variants: a row reads its
+    own first k). Launched op by op, scoring 64 rows of a 49k vocabulary cost a step 0.3-0.7
     ms more host time than plain decoding (two H100 hosts; under cProfile torch.topk's launch
     alone took about 0.15 ms), a fifth or more of a 1B model's step; as a graph it is one launch
     and two copies in (the step's launch 1.08 -> 0.52 ms). Larger batches score directly."""
 
-    TOP_BUCKETS = (5, 20)  # completions ask for at most 5, chat for at most 20
+    variants = (5, 20)  # completions ask for at most 5 alternatives, chat for at most 20
 
     def __init__(self, graphs: CudaGraphs, max_batch: int, vocab: int, device: str):
-        self.graphs = graphs
-        self.buckets = batch_buckets(min(max_batch, SAMPLER_GRAPH_ROWS))
+        super().__init__(graphs, batch_buckets(min(max_batch, SAMPLER_GRAPH_ROWS)))
         rows = self.buckets[-1]
         with torch.inference_mode():  # as the executor's tensors are
             self.logits = torch.zeros(rows, vocab, device=device)
             self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int], tuple[Callable[[], None], tuple]] = {}
 
     def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
         n = logits.shape[0]
-        top = next((t for t in self.TOP_BUCKETS if t >= k), None)
+        top = next((t for t in self.variants if t >= k), None)
         if n > self.buckets[-1] or top is None:
             return scores_table(logits, tokens, k)
-        b = smallest(self.buckets, n)
         self.logits[:n].copy_(logits)
         self.tokens[:n].copy_(tokens)
-        replay, (table,) = self._graphs.get((b, top)) or self._capture(b, top)
-        replay()
+        (table,) = self.replay(smallest(self.buckets, n), top)
         return table[:n].clone()  # the next replay overwrites the graph's output
 
-    def _capture(self, b: int, top: int):
-        with torch.inference_mode():
-            captured = self.graphs.capture(
-                lambda: (scores_table(self.logits[:b], self.tokens[:b], top),))
-        self._graphs[(b, top)] = captured
-        return captured
-
-    def warm_up(self) -> None:
-        for b in self.buckets:
-            for top in self.TOP_BUCKETS:
-                if (b, top) not in self._graphs:
-                    self._capture(b, top)
+    def _step(self, b: int, top: int) -> tuple:
+        return (scores_table(self.logits[:b], self.tokens[:b], top),)

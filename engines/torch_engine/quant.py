@@ -15,11 +15,11 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py); int8 and fp8
-  as `linear(x, w.to(dtype)) * scale`, which Inductor fuses into one weight-reading kernel for
-  the compiled decode step of a few rows; more rows on the tensor cores, the activations
-  quantized per row: int8 x int8 through torch._int_mm, fp8 (compute capability 8.9+) through
-  torch._scaled_mm, or for 16-64 rows duet's kernel (fp8_kernel.py; by default on Hopper).
+  (int4_kernel.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale`, which Inductor fuses
+  into one weight-reading kernel for the compiled decode step of a few rows; more rows on the
+  tensor cores, the activations quantized per row: int8 x int8 through torch._int_mm, fp8
+  (compute capability 8.9+) through torch._scaled_mm, or for 16-64 rows duet's kernel
+  (fp8_kernel.py; by default on Hopper).
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
 """
