@@ -136,9 +136,9 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument("--starts", type=int, default=1,
                         help="start each server this many times and measure the last: the "
-                             "starts before fill Inductor's cache, so that every rank runs the "
-                             "kernels one tuning chose (a cold start tunes each rank's alone), "
-                             "as a server does from its second or third start on")
+                             "starts before fill Inductor's cache, as a server's second or third "
+                             "start finds it (each rank still keeps its own tunings: their "
+                             "kernels' source names the device)")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -122,35 +122,41 @@ class Rank:
 
 
 class StepTrace:
-    """torch.profiler over this rank's first STEPS steps, written as a Chrome trace to
+    """torch.profiler over STEPS of this rank's steps, from its first or, with
+    $DUET_RANK_TRACE_FROM, after that many, written as a Chrome trace to
     $DUET_RANK_TRACE.rank<N>.json: the other ranks' side of the steps that
     scripts/profile_step.py --trace profiles on rank 0 (a slow rank holds every rank up at the
     next sum, and rank 0's trace shows only its wait)."""
 
     STEPS = 24  # a first request's prefill and tokens, then a profiled prefill and ~20 steps
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, skip: int = 0):
         from torch.profiler import ProfilerActivity, profile
 
-        self.path, self.steps = path, 0
+        self.path, self.steps, self.skip = path, 0, skip
         self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        self.profiler.start()
+        if not skip:
+            self.profiler.start()
 
     @classmethod
     def from_env(cls, rank: int) -> StepTrace | None:
         stem = os.environ.get("DUET_RANK_TRACE")
-        return cls(f"{stem}.rank{rank}.json") if stem else None
+        skip = int(os.environ.get("DUET_RANK_TRACE_FROM", "0"))
+        return cls(f"{stem}.rank{rank}.json", skip) if stem else None
 
     def stepped(self) -> bool:
         """Count a step; at the last, write the trace and return True."""
         self.steps += 1
-        if self.steps < self.STEPS:
+        if self.steps == self.skip:
+            self.profiler.start()
+        if self.steps < self.skip + self.STEPS:
             return False
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.profiler.stop()
         self.profiler.export_chrome_trace(self.path)
-        log.info("wrote a trace of this rank's first %d steps to %s", self.steps, self.path)
+        log.info("wrote a trace of this rank's steps %d-%d to %s", self.skip + 1, self.steps,
+                 self.path)
         return True
 
 

@@ -49,9 +49,11 @@ class Sums:
 
     group: object  # the ranks' torch.distributed process group
     peer: peer_sum.PeerSum | None = None
-    # Each peer sum with its residual add and the next norm in one kernel (add_norm): opt-in
-    # with DUET_TP_FUSED_NORMS=1. Measured on two H100s, compiled (Inductor makes the add and
-    # the norm one kernel already): 1% off a batch-1 step, 9% onto a 64-row one.
+    # Each peer sum with its residual add and the next norm in one kernel (add_norm; past
+    # peer_sum.FUSED_ROWS rows the sum's kernel and then one for the add and norm): opt-in with
+    # DUET_TP_FUSED_NORMS=1. Through the server on two H100s (2026-11-26, docs/benchmarks.md)
+    # one client decoded at 289.5 tok/s against 288.6 without, 64 clients 10,107 against
+    # 9,993: within the spread, since compiled Inductor makes the add and the norm one kernel.
     fused_norms: bool = False
 
     def __call__(self, x: torch.Tensor, phase: int) -> torch.Tensor:

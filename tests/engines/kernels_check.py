@@ -355,11 +355,13 @@ def check_peer_sum(device: str = "cpu") -> None:
 def check_peer_sum_norm(device: str = "cpu") -> None:
     """The peer sum fused with its residual add and the next RMS norm, two ranks in turn as in
     check_peer_sum: both get the same bits, residual + sum (rounded as the unfused step rounds)
-    and its norm; a rank's buffer is empty again after."""
+    and its norm; a rank's buffer is empty again after. Rows up to FUSED_ROWS take one kernel,
+    more take the sum's and then the add and norm's."""
     from engines.torch_engine import peer_sum as ps
 
     for dtype in (torch.bfloat16, torch.float16):
-        for rows, hidden, phase in ((1, 64, 0), (3, 96, 1), (ps.MAX_PROGRAMS + 2, 32, 0)):
+        for rows, hidden, phase in ((1, 64, 0), (3, 96, 1), (ps.FUSED_ROWS + 1, 48, 1),
+                                    (ps.MAX_PROGRAMS + 2, 32, 0)):
             capacity = rows * hidden + 3
             bufs, ptrs = peer_buffers(2, ps.buffer_elements(2, capacity), device)
             x = [torch.randn(rows, hidden, dtype=dtype, device=device) for _ in range(2)]
