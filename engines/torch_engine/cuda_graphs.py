@@ -141,6 +141,11 @@ class GraphDecoder:
                                    pin_memory=device.startswith("cuda")) for _ in range(2)]
         self._turn = 0
         self._last = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # The last step's picks, where the step finds a PENDING row's token (at its SOURCE):
+        # copied in before each replay, and only read inside the step, so a capture's warm-up
+        # runs leave them as they were. (The rows' tokens were put together by four small
+        # kernels and a copy between the steps, each a launch and a gap on the device.)
+        self._picks = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.graphs = graphs or CudaGraphs()
         self._graphs: dict[tuple[int, int], tuple[Callable[[], None], tuple]] = {}
         from . import decode_attention
@@ -165,8 +170,10 @@ class GraphDecoder:
                                      backend=backend)
 
     def _step_impl(self, x: torch.Tensor, last: torch.Tensor, kv_len: int, one_row: bool):
+        source = x[:, SOURCE]
+        tokens = torch.where(source >= 0, self._picks[source.clamp(min=0)], x[:, TOKEN])
         batch = PagedBatch(
-            tokens=x[:, TOKEN : TOKEN + 1], positions=x[:, POSITION : POSITION + 1],
+            tokens=tokens[:, None], positions=x[:, POSITION : POSITION + 1],
             write_slots=x[:, WRITE], last=last, table=x[:, TABLE:], kv_len=kv_len,
             page=self.page, trash=self.kv.trash, window=self.model.args.sliding_window,
         )
@@ -219,12 +226,9 @@ class GraphDecoder:
             slot = blocks[pos // self.page] * self.page + pos % self.page
             host[i, :TABLE] = (token, pos, slot, source)
             host[i, TABLE : TABLE + len(blocks)] = blocks
-        inputs = self.inputs[:b, :width]
-        inputs.copy_(host_t[:b, :width], non_blocking=True)
+        self.inputs[:b, :width].copy_(host_t[:b, :width], non_blocking=True)
         if pending:
-            source = inputs[:, SOURCE]
-            taken = last[0].index_select(0, source.clamp(min=0))
-            inputs[:, TOKEN] = torch.where(source >= 0, taken, inputs[:, TOKEN])
+            self._picks[: last[0].numel()].copy_(last[0])
         replay, (logits, greedy) = self._graphs.get((b, kv_len)) or self._capture(b, kv_len)
         replay()
         return logits[:n], greedy[:n]

@@ -108,8 +108,15 @@ class TorchExecutor:
                 self.on_logits(due, torch.cat(logits))
             processed = any(r.sampling.processing is not None for r in due)
             if all(r.sampling.greedy for r in due) and not processed:
-                tokens = torch.cat([torch.argmax(x, dim=-1) if g is None else g
-                                    for x, g in zip(logits, greedy)])
+                if len(greedy) == 1 and greedy[0] is not None and self.ranks is None:
+                    # The graph's own picks, no copy: everything that reads them (the
+                    # read-back, the next step, the scores) is queued before its next replay.
+                    # A tensor-parallel step's go to the other ranks by NCCL too, on a stream of
+                    # its own, so they are copied.
+                    tokens = greedy[0]
+                else:
+                    tokens = torch.cat([torch.argmax(x, dim=-1) if g is None else g
+                                        for x, g in zip(logits, greedy)])
                 scored = any(r.sampling.logprobs is not None for r in due)
                 whole = (torch.cat(logits) if len(logits) > 1 else logits[0]) if scored else None
                 return self._sampled(Launched(due, prompt_scores), tokens, whole)
