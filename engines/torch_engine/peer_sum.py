@@ -130,6 +130,19 @@ if triton is not None:
             tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _add_norm_row(acc, Res, W, NewRes, Normed, row, cols, ok, hidden, eps):
+        """Row `row`'s sum acc (float32, rounded as the residual stream is: where the unfused
+        step rounds) added to the residual stream (NewRes) and RMS-normed (Normed)."""
+        offs = row * hidden + cols
+        res = tl.load(Res + offs, mask=ok, other=0.0).to(tl.float32)
+        new = (res + acc).to(Res.dtype.element_ty)
+        tl.store(NewRes + offs, new, mask=ok)
+        x = new.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Normed + offs, (x * scale * w).to(Res.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _peer_sum_norm_kernel(X, Res, W, NewRes, Normed, Ptrs, rank, rows, hidden, eps,
                               slot_stride, phase_offset, WORLD: tl.constexpr,
                               BF16: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -144,15 +157,8 @@ if triton is not None:
         for row in range(pid, rows, programs):
             acc = _received_sum(own, row * hidden + cols, ok, slot_stride, phase_offset, WORLD,
                                 BF16)
-            # Rounded where the unfused step rounds: the sum, then the residual stream.
-            res = tl.load(Res + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-            new = (res + acc.to(Res.dtype.element_ty).to(tl.float32)).to(Res.dtype.element_ty)
-            tl.store(NewRes + row * hidden + cols, new, mask=ok)
-            x = new.to(tl.float32)
-            scale = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-            w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(Normed + row * hidden + cols, (x * scale * w).to(Res.dtype.element_ty),
-                     mask=ok)
+            _add_norm_row(acc.to(Res.dtype.element_ty).to(tl.float32), Res, W, NewRes, Normed,
+                          row, cols, ok, hidden, eps)
 
     @triton.jit
     def _add_norm_kernel(Sum, Res, W, NewRes, Normed, rows, hidden, eps,
@@ -161,16 +167,9 @@ if triton is not None:
         pid, programs = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < hidden
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         for row in range(pid, rows, programs):
             acc = tl.load(Sum + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-            res = tl.load(Res + row * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-            new = (res + acc).to(Res.dtype.element_ty)
-            tl.store(NewRes + row * hidden + cols, new, mask=ok)
-            x = new.to(tl.float32)
-            scale = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-            tl.store(Normed + row * hidden + cols, (x * scale * w).to(Res.dtype.element_ty),
-                     mask=ok)
+            _add_norm_row(acc, Res, W, NewRes, Normed, row, cols, ok, hidden, eps)
 
     @triton.jit
     def _peer_gather_kernel(X, Out, Ptrs, rank, n, part, slot_stride,
