@@ -137,8 +137,7 @@ def main() -> int:
     parser.add_argument("--starts", type=int, default=1,
                         help="start each server this many times and measure the last: the "
                              "starts before fill Inductor's cache, as a server's second or third "
-                             "start finds it (each rank still keeps its own tunings: their "
-                             "kernels' source names the device)")
+                             "start finds it (the ranks share it: each sees its GPU as cuda:0)")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

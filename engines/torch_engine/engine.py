@@ -138,7 +138,7 @@ class TorchEngine(GenerationEngine):
             raise ValueError(f"tensor parallelism over {world} ranks needs {world} GPUs; "
                              f"{torch.cuda.device_count()} are visible")
         check_splits(args, world)
-        self.device = rank_device(kind, 0)
+        self.device = rank_device(kind)
         self.ranks = RankGroup(RankSpec(str(model_dir), self.dtype, kind, compile,
                                         self.quantization, 0, world, ""))
         log.info("tensor parallelism: %d ranks over %s (%s)", world,

@@ -34,7 +34,7 @@ class Rank:
     def __init__(self, spec: RankSpec, conn: Connection):
         """Its share of the model, in the group main() has joined."""
         self.conn = conn
-        self.device = rank_device(spec.device, spec.rank)
+        self.device = rank_device(spec.device)
         import torch.distributed as dist
 
         self.spec = spec
@@ -177,7 +177,7 @@ def main(fd: int) -> None:
     if spec.device == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     if spec.device.startswith("cuda"):
-        torch.cuda.set_device(rank_device(spec.device, spec.rank))
+        torch.cuda.set_device(rank_device(spec.device))
     join_group(spec)  # a rank that cannot join ends here, and rank 0's watch sees it
     try:
         rank = Rank(spec, conn)

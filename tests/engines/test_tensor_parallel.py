@@ -264,6 +264,22 @@ def test_a_model_that_does_not_split_is_refused_in_one_sentence(tiny_dirs):
         check_splits(args, 4)
 
 
+@pytest.mark.parametrize("visible, expect", [
+    (None, ["1", "2"]), ("4,5,6", ["5", "6"]), ("GPU-a, GPU-b,GPU-c", ["GPU-b", "GPU-c"])])
+def test_each_cuda_rank_sees_its_own_gpu_alone_as_device_0(visible, expect):
+    from engines.torch_engine.ranks import OVERLAPPING_DEVICES, rank_device, rank_environment
+
+    base = {"PATH": "/bin"} | ({"CUDA_VISIBLE_DEVICES": visible} if visible else {})
+    envs = [rank_environment(base, "cuda", rank) for rank in (1, 2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == expect
+    assert all(e[OVERLAPPING_DEVICES] == "1" and e["PATH"] == "/bin" for e in envs)
+    assert rank_device("cuda") == "cuda:0"  # so every rank's kernels name the same device
+    assert rank_environment(base, "cpu", 1) == base and rank_device("cpu") == "cpu"
+    if visible == "4,5,6":
+        with pytest.raises(ValueError, match="rank 3 has no GPU"):
+            rank_environment(base, "cuda", 3)
+
+
 @pytest.mark.parametrize("n", [1, 7, 1024, 1025, 256 * 1024, 256 * 1024 + 1, 700_000,
                                2 * 256 * 2048, 2048 * 4096, 64 * 64_128])
 @pytest.mark.parametrize("most", [256, 264, 116])
