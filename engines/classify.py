@@ -100,13 +100,25 @@ PIECE_TOKENS_MAX = 1024
 class Pacer:
     """Sizes pieces of scoring work from the speed measured so far to take `seconds` each:
     `first` tokens before any speed is known, never more than `most` (by default this
-    module's figures)."""
+    module's figures).
+
+    A piece's time is taken as proportional to its tokens until pieces of sizes at least 2x
+    apart show a fixed cost besides (a forward of a model split over ranks of a busy CPU waits
+    for its sums whatever its size: there, sized in proportion, pieces shrank to one token and
+    a classification of six short prompts took 71 s). With a fixed cost a piece is sized to
+    take `seconds`, or, where the fixed cost alone takes half of that or more, to spend as
+    long on tokens as on the fixed cost."""
 
     def __init__(self, first: int | None = None, most: int | None = None,
                  seconds: float | None = None) -> None:
         self.most = PIECE_TOKENS_MAX if most is None else most
         self.size = min(PIECE_TOKENS_FIRST if first is None else first, self.most)
         self.seconds = PIECE_SECONDS if seconds is None else seconds
+        self._timed = 0
+        # The smallest and the largest piece timed since the first (which warms up): (tokens,
+        # seconds), each the latest of its size.
+        self._fewest: tuple[int, float] | None = None
+        self._most: tuple[int, float] | None = None
 
     @contextmanager
     def piece(self, tokens: int):
@@ -114,8 +126,23 @@ class Pacer:
         started = time.perf_counter()
         yield
         seconds = time.perf_counter() - started
+        self._timed += 1
         if seconds > 0:
-            self.size = max(1, min(self.most, int(tokens / seconds * self.seconds)))
+            self.size = max(1, min(self.most, self._next_size(tokens, seconds)))
+
+    def _next_size(self, tokens: int, seconds: float) -> int:
+        per_token, fixed = seconds / tokens, 0.0
+        if self._timed > 1:
+            if self._fewest is None or tokens <= self._fewest[0]:
+                self._fewest = (tokens, seconds)
+            if self._most is None or tokens >= self._most[0]:
+                self._most = (tokens, seconds)
+            (few, few_s), (many, many_s) = self._fewest, self._most
+            if many >= 2 * few:
+                slope = (many_s - few_s) / (many - few)
+                if 0 < slope < many_s / many:  # else noise: proportional
+                    per_token, fixed = slope, many_s - slope * many
+        return int(max(self.seconds - fixed, fixed) / per_token)
 
     def spans(self, n: int, weight: int = 1) -> Iterator[tuple[int, int]]:
         """[0, n) as consecutive (start, end) pieces, each as large as the pacer says when it

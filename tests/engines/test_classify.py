@@ -135,6 +135,32 @@ def test_the_pacer_sizes_pieces_from_the_speed_so_far(monkeypatch):
     assert pacer.size == 20  # 40 tokens/s x 0.5 s
 
 
+def test_the_pacer_grows_pieces_back_where_a_fixed_cost_dominates(monkeypatch):
+    """Each forward costs 0.4 s whatever its size, and 0.01 s a token: sized in proportion,
+    pieces would shrink to one token (0.41 s each); two sizes timed show the fixed cost, and
+    the pieces grow to spend as long on tokens as on it (40 tokens)."""
+    monkeypatch.setattr(classify, "PIECE_SECONDS", 0.3)
+    monkeypatch.setattr(classify, "PIECE_TOKENS_FIRST", 4)
+    now = [0.0]
+    monkeypatch.setattr(classify.time, "perf_counter", lambda: now[0])
+    pacer = classify.Pacer()
+    sizes = []
+    for _ in range(6):
+        tokens = pacer.size
+        with pacer.piece(tokens):
+            now[0] += 0.4 + 0.01 * tokens
+        sizes.append(pacer.size)
+    assert sizes[:2] == [2, 1]  # in proportion while one size (after the first) is known
+    assert all(39 <= s <= 40 for s in sizes[2:])  # 0.4 / 0.01, as floats divide
+    # Where the fixed cost is small the pieces take PIECE_SECONDS: 0.28 s of tokens.
+    pacer, now[0] = classify.Pacer(), 0.0
+    for _ in range(6):
+        tokens = pacer.size
+        with pacer.piece(tokens):
+            now[0] += 0.02 + 0.001 * tokens
+    assert 279 <= pacer.size <= 280
+
+
 @pytest.mark.parametrize("which", ["torch", "mlx"])
 def test_scoring_in_small_pieces_gives_the_same_scores(tiny_dirs, monkeypatch, which):
     """Prefill and continuation batches cut into pieces of 2 tokens (so that a stop is heard
