@@ -152,7 +152,7 @@ class GraphDecoder:
 
         # Triton's kernels need the GPU (the CPU stands in for it only in tests).
         self.kernels = kernels and device.startswith("cuda") and decode_attention.available()
-        model.use_kernels(attention=self.kernels, activation=self.kernels)
+        model.use_kernels(attention=self.kernels, activation=self.kernels, rows=max_batch)
         self.compiled = backend is not None
         # The executor's, compiled when the step is.
         self.sampler = GraphSampler(backend, self.graphs, max_batch, model.args.vocab_size,

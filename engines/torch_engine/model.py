@@ -89,13 +89,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, d, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
         self.window = args.sliding_window or 0
-        # Set by the CUDA runner: the static decode step calls the Triton kernel in
-        # decode_attention.py instead of the PyTorch-op attention below.
+        # Set by the CUDA runner (Transformer.use_kernels): the static decode step calls the
+        # Triton kernel in decode_attention.py instead of the PyTorch-op attention below, with
+        # the counters it merges by (shared by the layers, whose kernels run one at a time).
         self.decode_kernel = False
+        self.counters: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, pos, mask, pool=None):
         b, t, _ = x.shape
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if pool is not None and t == 1 and self.decode_kernel and pos.table is not None:
+            return self.o_proj(self._decode_kernel(qkv, cos, sin, pos, pool).view(b, 1, -1))
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # Rotate Q and K together: half the small ops of rotating each.
         qk = apply_rope(qk.view(b, t, self.n_heads + self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)
@@ -113,18 +118,23 @@ class Attention(nn.Module):
                 )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def _decode_kernel(self, qkv, cos, sin, batch, pool):
+        """A decode step's rows (one token each) through decode_attention.py's kernel, which
+        rotates them, writes their K/V into the pool and attends: [B, H, D]."""
+        k_pool, v_pool, _, _ = pool
+        b = qkv.shape[0]
+        return torch.ops.duet.paged_decode_attention(
+            qkv.view(b, -1), cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool,
+            batch.table, batch.positions[:, 0], batch.write_slots, self.counters, batch.kv_len,
+            batch.page, self.window)
+
     def _paged_attention(self, q, k, v, batch, pool):
-        """Write the rows' K/V into the pool, then attend over each row's keys: through the
-        Triton kernel (CUDA decode), gathered from the pool, or the new keys alone when every
-        row starts at 0."""
+        """Write the rows' K/V into the pool, then attend over each row's keys: gathered from
+        the pool, or the new keys alone when every row starts at 0."""
         k_pool, v_pool, read, mask = pool
         b, _, t, d = q.shape
         k_pool.index_copy_(0, batch.write_slots, k.transpose(1, 2).reshape(b * t, self.n_kv, d))
         v_pool.index_copy_(0, batch.write_slots, v.transpose(1, 2).reshape(b * t, self.n_kv, d))
-        if t == 1 and self.decode_kernel and batch.table is not None:
-            return torch.ops.duet.paged_decode_attention(
-                q, k_pool, v_pool, batch.table, batch.positions[:, 0], batch.kv_len, batch.page,
-                self.window)
         if read is not None:
             k = k_pool[read].transpose(1, 2)  # [B, KV, L, D]
             v = v_pool[read].transpose(1, 2)
@@ -311,16 +321,23 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, batch, None, (kv.k[i], kv.v[i], read, mask))
         return x
 
-    def use_kernels(self, attention: bool, activation: bool = False) -> None:
-        """Route the static decode step's attention, and the MLP's activation, through the
-        Triton kernels of decode_attention.py and silu_mul.py (CUDA only)."""
+    def use_kernels(self, attention: bool, activation: bool = False, rows: int = 256) -> None:
+        """Route the static decode step's attention, for up to `rows` rows a step, and the
+        MLP's activation through the Triton kernels of decode_attention.py and silu_mul.py
+        (CUDA only)."""
         if attention or activation:
             from . import decode_attention, silu_mul  # noqa: F401  (registers torch.ops.duet)
 
             if not decode_attention.available():
                 raise RuntimeError("duet's decode kernels need Triton")
+        counters = None
+        if attention:
+            attn = self.model.layers[0].self_attn
+            counters = torch.zeros(rows * attn.n_kv, dtype=torch.int32,
+                                   device=self.model.embed_tokens.weight.device)
         for layer in self.model.layers:
             layer.self_attn.decode_kernel = attention
+            layer.self_attn.counters = counters
             layer.mlp.act_kernel = activation
 
     @property

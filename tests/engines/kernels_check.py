@@ -20,6 +20,7 @@ from engines.torch_engine.silu_mul import silu_mul
 CASES = [  # heads, kv heads, head dim, positions of the rows, kv_len, window
     (8, 2, 64, [0, 255, 17], 256, 0), (14, 2, 64, [300, 5], 512, 0), (4, 4, 16, [9], 16, 0),
     (8, 2, 64, [400, 99, 250], 512, 100), (32, 8, 128, [129, 1, 63, 64], 256, 0),
+    (8, 2, 32, [40, 0, 63], 64, 0), (8, 2, 32, [40, 7], 64, 16),  # one slice a head
 ]
 PAGE = 16
 
@@ -42,7 +43,11 @@ def reference(q, k_pool, v_pool, table, pos, window):
 
 def check_op(dtypes=((torch.float32, 1e-5), (torch.float16, 2e-3)), device="cpu") -> None:
     """Rows of different lengths over shuffled pages of one pool: the first and last position
-    of a bucket, a single position, a sliding window."""
+    of a bucket, a single position, a sliding window, one slice and many. The kernel rotates
+    each row's query and key as the model does, writes the key and value at the row's slot
+    (and nothing else), and leaves its counters at zero."""
+    from engines.torch_engine.model import apply_rope
+
     torch.manual_seed(0)
     for dtype, tol in dtypes:
         for h, kv, d, pos, kv_len, window in CASES:
@@ -51,16 +56,36 @@ def check_op(dtypes=((torch.float32, 1e-5), (torch.float16, 2e-3)), device="cpu"
             k_pool = torch.randn(n_pages * PAGE, kv, d, dtype=dtype, device=device)
             v_pool = torch.randn(n_pages * PAGE, kv, d, dtype=dtype, device=device)
             table = torch.randperm(n_pages, device=device)[: pages * len(pos)].view(len(pos), pages)
-            q = torch.randn(len(pos), h, 1, d, dtype=dtype, device=device)
-            # Positions and tables as strided views of one buffer, as the CUDA graphs pass them.
+            qkv = torch.randn(len(pos), (h + 2 * kv) * d, dtype=dtype, device=device)
+            angles = torch.rand(len(pos), d // 2, device=device) * 6
+            angles = torch.cat([angles, angles], dim=-1)
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            # Positions, slots and tables as strided views of one buffer, as the CUDA graphs
+            # pass them.
             packed = torch.zeros(len(pos), 3 + pages, dtype=torch.long, device=device)
             packed[:, 1], packed[:, 3:] = torch.tensor(pos, device=device), table
             p, table = packed[:, 1], packed[:, 3:]
-            out = paged_decode_attention(q, k_pool, v_pool, table, p, kv_len, PAGE, window)
-            assert out.shape == q.shape and out.dtype == dtype
-            expected = reference(q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), pos, window)
+            packed[:, 2] = table.gather(1, p[:, None] // PAGE)[:, 0] * PAGE + p % PAGE
+            slots = packed[:, 2]
+            counters = torch.zeros(len(pos) * kv + 5, dtype=torch.int32, device=device)
+            qk = apply_rope(qkv[:, : (h + kv) * d].view(len(pos), h + kv, d).float(),
+                            cos[:, None].float(), sin[:, None].float()).to(dtype)
+            q, k = qk[:, :h, None], qk[:, h:]
+            v = qkv[:, (h + kv) * d:].view(len(pos), kv, d)
+            k_want, v_want = k_pool.clone(), v_pool.clone()
+            k_want[slots], v_want[slots] = k, v
+            out = paged_decode_attention(qkv, cos, sin, k_pool, v_pool, table, p, slots,
+                                         counters, kv_len, PAGE, window)
+            assert out.shape == (len(pos), h, d) and out.dtype == dtype
+            others = torch.ones(k_pool.shape[0], dtype=torch.bool, device=device)
+            others[slots] = False
+            assert torch.equal(k_pool[others], k_want[others])  # nothing else written
+            assert torch.equal(v_pool, v_want)
+            torch.testing.assert_close(k_pool[slots], k_want[slots], rtol=tol, atol=tol)
+            assert not counters.any()
+            expected = reference(q.cpu(), k_want.cpu(), v_want.cpu(), table.cpu(), pos, window)
             assert len(pos) == 1 or not p.is_contiguous()
-            err = (out.float().cpu() - expected).abs().max().item()
+            err = (out[:, :, None].float().cpu() - expected).abs().max().item()
             assert err < tol, (dtype, h, kv, d, pos, kv_len, window, err)
 
 
@@ -272,8 +297,9 @@ def tiny_engine(window: int | None, device: str):
 def check_model(window: int | None, device: str = "cpu") -> None:
     """A batch decoded with the kernels gives the tokens the PyTorch-op path gives (itself
     checked against transformers), rows of mixed lengths crossing pages."""
-    prompts = [[5, 9, 1, 33, 7, 2, 60, 4, 8, 11, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8] * 3]
-    # 14 new tokens: the rows still cross a page (11 + 14 > 16, 24 + 14 > 32) and the window.
+    prompts = [[5, 9, 1, 33, 7, 2, 60, 4, 8, 11, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8] * 7]
+    # 14 new tokens: the rows still cross a page (11 + 14 > 16, 56 + 14 > 64) and the window,
+    # and the longest row's attention a slice of positions (decode_attention.SPLIT_LEN).
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     traces = []
     for kernel in (False, True):

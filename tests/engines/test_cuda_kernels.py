@@ -92,16 +92,22 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
         {"X": "*i64", "Out": "*i64", "Ptrs": "*i64", "rank": "i32", "n": "i32",
          "phase_offset": "i32"},
         {"WORLD": 2, "BLOCK": 256}),
-    ("decode_attention", "_split_kernel"): (
-        {"Q": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64", "Pos": "*i64", "Acc": "*fp32",
-         "M": "*fp32", "L": "*fp32", **{f"stride_{n}": "i32" for n in (
-             "qb", "qh", "ks", "kh", "vs", "vh", "tb", "pos")},
+    ("decode_attention", "_attention_kernel"): (  # slices merged by the last program
+        {"QKV": PTR16, "Cos": PTR16, "Sin": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64",
+         "Pos": "*i64", "Slots": "*i64", "Acc": "*fp32", "M": "*fp32", "L": "*fp32",
+         "Out": PTR16, "Counters": "*i32", **{f"stride_{n}": "i32" for n in (
+             "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
          "kv_len": "i32", "window": "i32", "scale": "fp32"},
-        {"REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16, "SPLIT_LEN": 64, "N_SPLITS": 8,
-         "PRECISION": "tf32"}),
-    ("decode_attention", "_merge_kernel"): (
-        {"Acc": "*fp32", "M": "*fp32", "L": "*fp32", "Out": PTR16},
-        {"D": 128, "N_SPLITS": 8, "SPLITS_PAD": 8}),
+        {"N_HEADS": 16, "N_KV": 4, "REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16,
+         "SPLIT_LEN": 64, "N_SPLITS": 8, "PRECISION": "tf32"}),
+    ("decode_attention", "_attention_kernel", "one slice"): (
+        {"QKV": PTR16, "Cos": PTR16, "Sin": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64",
+         "Pos": "*i64", "Slots": "*i64", "Acc": "*fp32", "M": "*fp32", "L": "*fp32",
+         "Out": PTR16, "Counters": "*i32", **{f"stride_{n}": "i32" for n in (
+             "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
+         "kv_len": "i32", "window": "i32", "scale": "fp32"},
+        {"N_HEADS": 32, "N_KV": 8, "REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16,
+         "SPLIT_LEN": 64, "N_SPLITS": 1, "PRECISION": "tf32"}),
     ("silu_mul", "_silu_mul_kernel"): (
         {"X": PTR16, "Out": PTR16, "hidden": "i32"}, {"BLOCK": 1024}),
     ("int4_kernel", "_int4_mm_kernel", "decode"): (  # split: float32 parts
@@ -165,3 +171,9 @@ def test_cuda_kernels_compile_for_hopper(key):
     assert compiled.asm["cubin"]
     if module == "peer_sum" and name != "_add_norm_kernel":  # it waits for nothing
         assert "ld.volatile.global" in compiled.asm["ptx"]
+    if name == "_attention_kernel" and constants["N_SPLITS"] > 1:
+        # The slices' stores, then a barrier, then the count released at GPU scope; the
+        # merge reads the slices past L1.
+        ptx = compiled.asm["ptx"]
+        assert "bar.sync" in ptx and "atom.global.gpu.acq_rel.add" in ptx, ptx
+        assert "ld.global.cg" in ptx
