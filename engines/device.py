@@ -104,6 +104,14 @@ def cuda_multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def cuda_capability(index: int) -> tuple[int, int]:
+    """CUDA device `index`'s compute capability (9.0: Hopper)."""
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
 def free_memory_bytes(device: str) -> int | None:
     """Memory free for the KV cache on the device, now (after the weights loaded)."""
     import torch

@@ -63,6 +63,11 @@ def configure_inductor() -> None:
     # tuned Triton reductions beat cuBLAS's small-M GEMMs (measured on an H200 at batch 1:
     # 1.34 -> 1.16 ms a step for llama-3.2-1b).
     inductor_config.coordinate_descent_tuning = True
+    # Programmatic dependent launch on Hopper and later (Inductor checks the GPU), opt-in with
+    # DUET_PDL=1: each kernel's programs placed while the one before finishes, as duet's own
+    # kernels then are (decode_attention.dependent_launch says why, and why opt-in).
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        inductor_config.triton.enable_pdl = os.environ.get("DUET_PDL") == "1"
     # Kernels loaded by the static launcher ignore the tuning kept in Inductor's cache before
     # torch 2.12 (pytorch#172819), and every start tuned again (27 s of a 60 s warm start, 1B
     # shape, H100). Its gain is launch overhead, and the step is replayed as CUDA graphs.

@@ -21,17 +21,43 @@ tensor is built. On a machine without Triton the module imports, and `available(
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from ..device import cuda_capability
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU builds of torch ship without Triton
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one without programmatic dependent launch
+    gdc_wait = None
 
 
 def available() -> bool:
     return triton is not None
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether duet's kernels on `device` launch as programmatic dependents of the kernel
+    before them: opt-in with DUET_PDL=1, on Hopper and later.
+
+    Why: a batch-1 decode step is some 14 kernels a layer, and each waited for the one before
+    it to end before its programs were even placed. Launched as a dependent, a kernel's programs
+    start while the kernel before finishes and wait (griddepcontrol.wait) only where they read
+    its output. The step's Inductor kernels do the same (configure_inductor). Measured on an
+    H100 over 32 split 8B layers of Inductor kernels (fixed tilings, CUDA graph): 3,292 -> 3,110
+    us a step; whole layers 5,652 -> 5,439; through the server, the 8B split step 3.39 -> 3.31 ms
+    (docs/benchmarks.md). Opt-in until a split model's tokens are checked against one GPU's
+    with it (scripts/check_tensor_parallel.py): every kernel waits before it reads, which
+    Inductor's kernels after an opaque op do too, but that check has not run yet."""
+    return (gdc_wait is not None and device.type == "cuda"
+            and os.environ.get("DUET_PDL") == "1"
+            and cuda_capability(device.index or 0)[0] >= 9)
 
 
 # Each program covers SPLIT_LEN positions of one row and one K/V head in a single round of
@@ -40,6 +66,17 @@ def available() -> bool:
 SPLIT_LEN = 64
 
 if triton is not None:
+
+    @triton.jit
+    def follow(PDL: tl.constexpr):
+        """A kernel's first step when launched as a programmatic dependent (PDL): wait until
+        the kernel before it has ended and its writes show, then let the kernel after it be
+        placed (it waits the same way). A kernel lets its dependents go only after its own
+        wait, so every kernel before the one before has ended whenever a kernel starts: a
+        kernel that reads only older outputs (Inductor's skip their wait) reads them whole."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def _rotated(X, C, S, dims, partner, sign, mask):
@@ -56,8 +93,9 @@ if triton is not None:
         stride_pos, stride_slot, kv_len, window, scale,
         N_HEADS: tl.constexpr, N_KV: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr,
         D: tl.constexpr, PAGE: tl.constexpr, SPLIT_LEN: tl.constexpr, N_SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
+        follow(PDL)
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -180,6 +218,7 @@ def paged_decode_attention(
     acc = torch.empty(b * n_heads, parts, d, dtype=torch.float32, device=qkv.device)
     m = torch.empty(b * n_heads, parts, dtype=torch.float32, device=qkv.device)
     l = torch.empty_like(m)
+    pdl = dependent_launch(qkv.device)
     _attention_kernel[(b, n_kv, n_splits)](
         qkv, cos, sin, k_pool, v_pool, table, pos, write_slots, acc, m, l, out, counters,
         qkv.stride(0), cos.stride(0), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
@@ -188,7 +227,7 @@ def paged_decode_attention(
         N_HEADS=n_heads, N_KV=n_kv, REP=rep, REP_PAD=_pad(rep), D=d, PAGE=page,
         SPLIT_LEN=SPLIT_LEN, N_SPLITS=n_splits,
         # float32 stays float32 (Triton's default would round it to TF32); half types ignore it.
-        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", PDL=pdl, launch_pdl=pdl,
     )
     return out
 

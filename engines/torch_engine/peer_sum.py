@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import cuda_multiprocessors
-from .decode_attention import triton
+from .decode_attention import dependent_launch, triton
 
 log = logging.getLogger("duet.engines.torch")
 
@@ -79,6 +79,8 @@ def layout(n: int, programs: int = MAX_PROGRAMS) -> tuple[int, int, int]:
 if triton is not None:
     import triton.language as tl
 
+    from .decode_attention import follow
+
     _EMPTY = tl.constexpr(EMPTY)
     _EMPTY32 = tl.constexpr(EMPTY32)
 
@@ -116,7 +118,9 @@ if triton is not None:
 
     @triton.jit
     def _peer_sum_kernel(X, Out, Ptrs, rank, n, slot_stride, phase_offset,
-                         WORLD: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+                         WORLD: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        follow(PDL)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         chunks = tl.cdiv(n, BLOCK)
         for chunk in range(pid, chunks, programs):  # every chunk sent before any is awaited
@@ -145,9 +149,10 @@ if triton is not None:
     @triton.jit
     def _peer_sum_norm_kernel(X, Res, W, NewRes, Normed, Ptrs, rank, rows, hidden, eps,
                               slot_stride, phase_offset, WORLD: tl.constexpr,
-                              BF16: tl.constexpr, BLOCK_H: tl.constexpr):
+                              BF16: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         """The peer sum of rows of `hidden`, one program a row, then what the layer does next
         with it: added to the residual stream (NewRes) and RMS-normed (Normed)."""
+        follow(PDL)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < hidden
@@ -162,8 +167,9 @@ if triton is not None:
 
     @triton.jit
     def _add_norm_kernel(Sum, Res, W, NewRes, Normed, rows, hidden, eps,
-                         BLOCK_H: tl.constexpr):
+                         BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         """_peer_sum_norm_kernel's add and norm of sums already made, one program a row."""
+        follow(PDL)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         ok = cols < hidden
@@ -253,9 +259,11 @@ def _peer_sum(x: torch.Tensor, ptrs: torch.Tensor, rank: int, capacity: int,
     n, world = flat.numel(), ptrs.numel()
     _fits(n, capacity)
     programs, block, warps = layout(n, max_programs(x.device))
+    pdl = dependent_launch(x.device)
     _peer_sum_kernel[(programs,)](flat.view(torch.int16), out, ptrs, rank, n, capacity,
                                   phase * world * capacity, WORLD=world,
-                                  BF16=x.dtype == torch.bfloat16, BLOCK=block, num_warps=warps)
+                                  BF16=x.dtype == torch.bfloat16, BLOCK=block, PDL=pdl,
+                                  num_warps=warps, launch_pdl=pdl)
     return out.view(x.shape)
 
 
@@ -278,15 +286,16 @@ def peer_sum_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     rows, world = flat.shape[0], ptrs.numel()
     _fits(flat.numel(), capacity)
     programs, block_h = min(rows, max_programs(x.device)), triton.next_power_of_2(hidden)
+    pdl = dependent_launch(x.device)
     if rows <= FUSED_ROWS:
         _peer_sum_norm_kernel[(programs,)](
             flat.view(torch.int16), res, weight, new, normed, ptrs, rank, rows, hidden, eps,
             capacity, phase * world * capacity, WORLD=world, BF16=x.dtype == torch.bfloat16,
-            BLOCK_H=block_h, num_warps=8)
+            BLOCK_H=block_h, PDL=pdl, num_warps=8, launch_pdl=pdl)
     else:  # the sum spread over the SMs first (see FUSED_ROWS), then the rows' add and norm
         summed = _peer_sum(flat, ptrs, rank, capacity, phase)
         _add_norm_kernel[(programs,)](summed, res, weight, new, normed, rows, hidden, eps,
-                                      BLOCK_H=block_h, num_warps=8)
+                                      BLOCK_H=block_h, PDL=pdl, num_warps=8, launch_pdl=pdl)
     return new.view(residual.shape), normed.view(residual.shape)
 
 

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from .decode_attention import triton
+from .decode_attention import dependent_launch, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from .decode_attention import follow
+
     @triton.jit
-    def _silu_mul_kernel(X, Out, hidden, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(X, Out, hidden, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        follow(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < hidden
@@ -37,7 +40,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     hidden = gate_up.shape[-1] // 2
     x = gate_up.contiguous().view(-1, 2 * hidden)
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(hidden, BLOCK))](x, out, hidden, BLOCK=BLOCK)
+    pdl = dependent_launch(x.device)
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(hidden, BLOCK))](x, out, hidden, BLOCK=BLOCK,
+                                                               PDL=pdl, launch_pdl=pdl)
     return out.view(*gate_up.shape[:-1], hidden)
 
 

@@ -70,20 +70,20 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
     ("peer_sum", "_peer_sum_kernel"): (
         {"X": "*i16", "Out": PTR16, "Ptrs": "*i64", "rank": "i32", "n": "i32",
          "slot_stride": "i32", "phase_offset": "i32"},
-        {"WORLD": 2, "BF16": True, "BLOCK": 1024}),
+        {"WORLD": 2, "BF16": True, "BLOCK": 1024, "PDL": True}),
     ("peer_sum", "_peer_sum_kernel", "prefill"): (  # the largest block, as layout() gives it
         {"X": "*i16", "Out": PTR16, "Ptrs": "*i64", "rank": "i32", "n": "i32",
          "slot_stride": "i32", "phase_offset": "i32"},
-        {"WORLD": 2, "BF16": True, "BLOCK": 4096}, {"num_warps": 8}),
+        {"WORLD": 2, "BF16": True, "BLOCK": 4096, "PDL": False}, {"num_warps": 8}),
     ("peer_sum", "_peer_sum_norm_kernel"): (
         {"X": "*i16", "Res": PTR16, "W": PTR16, "NewRes": PTR16, "Normed": PTR16, "Ptrs": "*i64",
          "rank": "i32", "rows": "i32", "hidden": "i32", "eps": "fp32", "slot_stride": "i32",
          "phase_offset": "i32"},
-        {"WORLD": 2, "BF16": True, "BLOCK_H": 4096}, {"num_warps": 8}),
+        {"WORLD": 2, "BF16": True, "BLOCK_H": 4096, "PDL": True}, {"num_warps": 8}),
     ("peer_sum", "_add_norm_kernel"): (
         {"Sum": PTR16, "Res": PTR16, "W": PTR16, "NewRes": PTR16, "Normed": PTR16,
          "rows": "i32", "hidden": "i32", "eps": "fp32"},
-        {"BLOCK_H": 4096}, {"num_warps": 8}),
+        {"BLOCK_H": 4096, "PDL": True}, {"num_warps": 8}),
     ("peer_sum", "_peer_gather_kernel"): (
         {"X": "*i16", "Out": "*i16", "Ptrs": "*i64", "rank": "i32", "n": "i32", "part": "i32",
          "slot_stride": "i32"},
@@ -99,7 +99,7 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
              "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
          "kv_len": "i32", "window": "i32", "scale": "fp32"},
         {"N_HEADS": 16, "N_KV": 4, "REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16,
-         "SPLIT_LEN": 64, "N_SPLITS": 8, "PRECISION": "tf32"}),
+         "SPLIT_LEN": 64, "N_SPLITS": 8, "PRECISION": "tf32", "PDL": True}),
     ("decode_attention", "_attention_kernel", "one slice"): (
         {"QKV": PTR16, "Cos": PTR16, "Sin": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64",
          "Pos": "*i64", "Slots": "*i64", "Acc": "*fp32", "M": "*fp32", "L": "*fp32",
@@ -107,9 +107,9 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
              "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
          "kv_len": "i32", "window": "i32", "scale": "fp32"},
         {"N_HEADS": 32, "N_KV": 8, "REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16,
-         "SPLIT_LEN": 64, "N_SPLITS": 1, "PRECISION": "tf32"}),
+         "SPLIT_LEN": 64, "N_SPLITS": 1, "PRECISION": "tf32", "PDL": False}),
     ("silu_mul", "_silu_mul_kernel"): (
-        {"X": PTR16, "Out": PTR16, "hidden": "i32"}, {"BLOCK": 1024}),
+        {"X": PTR16, "Out": PTR16, "hidden": "i32"}, {"BLOCK": 1024, "PDL": True}),
     ("int4_kernel", "_int4_mm_kernel", "decode"): (  # split: float32 parts
         {"X": PTR16, "QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "Out": "*fp32", "M": "i32",
          "N": "i32", "K": "i32"},
@@ -171,9 +171,47 @@ def test_cuda_kernels_compile_for_hopper(key):
     assert compiled.asm["cubin"]
     if module == "peer_sum" and name != "_add_norm_kernel":  # it waits for nothing
         assert "ld.volatile.global" in compiled.asm["ptx"]
+    if "PDL" in constants:  # launched as a programmatic dependent: its wait, then its release
+        ptx = compiled.asm["ptx"]
+        if constants["PDL"]:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+        else:
+            assert "griddepcontrol" not in ptx
     if name == "_attention_kernel" and constants["N_SPLITS"] > 1:
         # The slices' stores, then a barrier, then the count released at GPU scope; the
         # merge reads the slices past L1.
         ptx = compiled.asm["ptx"]
         assert "bar.sync" in ptx and "atom.global.gpu.acq_rel.add" in ptx, ptx
         assert "ld.global.cg" in ptx
+
+
+def test_kernels_launch_as_dependents_on_hopper_cuda_only(monkeypatch, tmp_path):
+    """With DUET_PDL=1, duet's kernels and the compiled step's launch as programmatic
+    dependents on a CUDA GPU of compute capability 9 or more with a Triton that has the wait;
+    without it, or elsewhere, they do not."""
+    import torch._inductor.config as inductor_config
+
+    from engines.torch_engine import decode_attention
+    from engines.torch_engine.cuda_graphs import configure_inductor
+
+    monkeypatch.setenv("DUET_PDL", "1")
+    assert not decode_attention.dependent_launch(torch.device("cpu"))
+    if decode_attention.gdc_wait is None:
+        pytest.skip("this Triton has no programmatic dependent launch")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(decode_attention, "cuda_capability", lambda index: (9, 0))
+    assert decode_attention.dependent_launch(cuda)
+    monkeypatch.setattr(decode_attention, "cuda_capability", lambda index: (8, 9))
+    assert not decode_attention.dependent_launch(cuda)
+    monkeypatch.setattr(decode_attention, "cuda_capability", lambda index: (10, 0))
+    monkeypatch.delenv("DUET_PDL")
+    assert not decode_attention.dependent_launch(cuda)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # left as it is
+    with inductor_config.patch({"triton.enable_pdl": True, "coordinate_descent_tuning": False,
+                                "use_static_cuda_launcher": True}), \
+            torch._dynamo.config.patch(specialize_float=False):
+        configure_inductor()
+        assert not inductor_config.triton.enable_pdl
+        monkeypatch.setenv("DUET_PDL", "1")
+        configure_inductor()
+        assert inductor_config.triton.enable_pdl
