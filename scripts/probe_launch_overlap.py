@@ -29,28 +29,23 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 LAYERS = 32
 
 
 def replay_us(fn, reps: int = 50) -> float:
-    """Median time of one replay of fn captured as a CUDA graph (after warm-up runs)."""
+    """Median time of one replay of fn captured as a CUDA graph (as the engine captures its
+    step: after warm-up runs)."""
     import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from engines.torch_engine.cuda_graphs import CudaGraphs
+
+    replay, _ = CudaGraphs().capture(fn)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)

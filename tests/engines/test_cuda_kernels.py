@@ -66,6 +66,12 @@ def test_model_refuses_the_kernels_without_triton(monkeypatch, tiny_dirs):
 
 
 PTR16 = "*bf16"
+ATTENTION_SIGNATURE = {
+    "QKV": PTR16, "Cos": PTR16, "Sin": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64",
+    "Pos": "*i64", "Slots": "*i64", "Acc": "*fp32", "M": "*fp32", "L": "*fp32", "Out": PTR16,
+    "Counters": "*i32", **{f"stride_{n}": "i32" for n in (
+        "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
+    "kv_len": "i32", "window": "i32", "scale": "fp32"}
 CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (bfloat16), constants[, options]
     ("peer_sum", "_peer_sum_kernel"): (
         {"X": "*i16", "Out": PTR16, "Ptrs": "*i64", "rank": "i32", "n": "i32",
@@ -93,19 +99,11 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "phase_offset": "i32"},
         {"WORLD": 2, "BLOCK": 256}),
     ("decode_attention", "_attention_kernel"): (  # slices merged by the last program
-        {"QKV": PTR16, "Cos": PTR16, "Sin": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64",
-         "Pos": "*i64", "Slots": "*i64", "Acc": "*fp32", "M": "*fp32", "L": "*fp32",
-         "Out": PTR16, "Counters": "*i32", **{f"stride_{n}": "i32" for n in (
-             "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
-         "kv_len": "i32", "window": "i32", "scale": "fp32"},
+        ATTENTION_SIGNATURE,
         {"N_HEADS": 16, "N_KV": 4, "REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16,
          "SPLIT_LEN": 64, "N_SPLITS": 8, "PRECISION": "tf32", "PDL": True}),
     ("decode_attention", "_attention_kernel", "one slice"): (
-        {"QKV": PTR16, "Cos": PTR16, "Sin": PTR16, "K": PTR16, "V": PTR16, "Table": "*i64",
-         "Pos": "*i64", "Slots": "*i64", "Acc": "*fp32", "M": "*fp32", "L": "*fp32",
-         "Out": PTR16, "Counters": "*i32", **{f"stride_{n}": "i32" for n in (
-             "qkv", "cos", "ks", "kh", "vs", "vh", "tb", "pos", "slot")},
-         "kv_len": "i32", "window": "i32", "scale": "fp32"},
+        ATTENTION_SIGNATURE,
         {"N_HEADS": 32, "N_KV": 8, "REP": 4, "REP_PAD": 16, "D": 128, "PAGE": 16,
          "SPLIT_LEN": 64, "N_SPLITS": 1, "PRECISION": "tf32", "PDL": False}),
     ("silu_mul", "_silu_mul_kernel"): (
