@@ -213,3 +213,33 @@ def test_kernels_launch_as_dependents_on_hopper_cuda_only(monkeypatch, tmp_path)
         monkeypatch.setenv("DUET_PDL", "1")
         configure_inductor()
         assert inductor_config.triton.enable_pdl
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_the_compiled_step_on_cuda_decodes_as_the_eager_ops(tiny_dirs, monkeypatch, pdl):
+    """The CUDA decode step as served (Inductor-compiled, replayed as CUDA graphs, duet's
+    kernels; with DUET_PDL=1 every kernel a programmatic dependent) gives a batch of requests
+    arriving at different steps the tokens of the eager PyTorch-op path, float32, across
+    attention buckets of one slice and of two (the merge by the last program)."""
+    from engines.base import SamplingParams
+    from engines.torch_engine import TorchEngine, cuda_graphs
+    from tests.engines.helpers import PROMPTS, run_batch
+
+    monkeypatch.setenv("DUET_PDL", pdl)
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    torch._dynamo.reset()
+    path = tiny_dirs["llama"][0]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (70, 9, 30)]
+    join_at = [0, 1, 4]
+    runs = []
+    for compile in ("off", "auto"):
+        engine = TorchEngine(path, context_length=96, dtype="float32", device="cuda",
+                             compile=compile, max_batch=4)
+        if compile == "off":  # the reference: no graphs, no kernels
+            engine.decoder = None
+            engine.model.use_kernels(attention=False, activation=False)
+        runs.append([[s.token_id for s in steps] for steps in run_batch(engine, params, join_at)])
+    assert runs[0] == runs[1]
+    assert [len(r) for r in runs[1]] == [70, 9, 30] and len(PROMPTS[0]) + 70 > 64
