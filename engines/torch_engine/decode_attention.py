@@ -51,8 +51,8 @@ def dependent_launch(device: torch.device) -> bool:
     start while the kernel before finishes and wait (griddepcontrol.wait) only where they read
     its output. The step's Inductor kernels do the same (configure_inductor). Measured on an
     H100 over 32 split 8B layers of Inductor kernels (fixed tilings, CUDA graph): 3,292 -> 3,110
-    us a step; whole layers 5,652 -> 5,439; through the server, the 8B split step 3.39 -> 3.31 ms
-    (docs/benchmarks.md). Opt-in until a split model's tokens are checked against one GPU's
+    us a stack; whole layers 5,652 -> 5,439; through the server the 8B split step took 3.31 ms
+    with it against 3.39 without on another machine of the kind (docs/benchmarks.md). Opt-in until a split model's tokens are checked against one GPU's
     with it (scripts/check_tensor_parallel.py): every kernel waits before it reads, which
     Inductor's kernels after an opaque op do too, but that check has not run yet."""
     return (gdc_wait is not None and device.type == "cuda"
