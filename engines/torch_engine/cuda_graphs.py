@@ -22,6 +22,7 @@ import torch
 
 from ..runtime.plan import PENDING, ScheduledSeq
 from . import nucleus_kernel
+from .decode_attention import dependent_launch_wanted
 from .paged import PagedBatch, PagedKV
 from .sampling import Sampler, argmax_in_chunks, scores_table
 
@@ -67,7 +68,7 @@ def configure_inductor() -> None:
     # DUET_PDL=1: each kernel's programs placed while the one before finishes, as duet's own
     # kernels then are (decode_attention.dependent_launch says why, and why opt-in).
     if hasattr(inductor_config.triton, "enable_pdl"):
-        inductor_config.triton.enable_pdl = os.environ.get("DUET_PDL") == "1"
+        inductor_config.triton.enable_pdl = dependent_launch_wanted()
     # Kernels loaded by the static launcher ignore the tuning kept in Inductor's cache before
     # torch 2.12 (pytorch#172819), and every start tuned again (27 s of a 60 s warm start, 1B
     # shape, H100). Its gain is launch overhead, and the step is replayed as CUDA graphs.

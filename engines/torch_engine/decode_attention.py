@@ -42,9 +42,15 @@ def available() -> bool:
     return triton is not None
 
 
+def dependent_launch_wanted() -> bool:
+    """The switch for programmatic dependent launch, duet's kernels' and Inductor's alike:
+    DUET_PDL=1 (opt-in; dependent_launch says why)."""
+    return os.environ.get("DUET_PDL") == "1"
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether duet's kernels on `device` launch as programmatic dependents of the kernel
-    before them: opt-in with DUET_PDL=1, on Hopper and later.
+    before them: when wanted (DUET_PDL=1), on Hopper and later.
 
     Why: a batch-1 decode step is some 14 kernels a layer, and each waited for the one before
     it to end before its programs were even placed. Launched as a dependent, a kernel's programs
@@ -52,11 +58,11 @@ def dependent_launch(device: torch.device) -> bool:
     its output. The step's Inductor kernels do the same (configure_inductor). Measured on an
     H100 over 32 split 8B layers of Inductor kernels (fixed tilings, CUDA graph): 3,292 -> 3,110
     us a stack; whole layers 5,652 -> 5,439; through the server the 8B split step took 3.31 ms
-    with it against 3.39 without on another machine of the kind (docs/benchmarks.md). Opt-in until a split model's tokens are checked against one GPU's
-    with it (scripts/check_tensor_parallel.py): every kernel waits before it reads, which
-    Inductor's kernels after an opaque op do too, but that check has not run yet."""
-    return (gdc_wait is not None and device.type == "cuda"
-            and os.environ.get("DUET_PDL") == "1"
+    with it against 3.39 without on another machine of the kind (docs/benchmarks.md). Opt-in
+    until a split model's tokens are checked against one GPU's with it
+    (scripts/check_tensor_parallel.py): every kernel waits before it reads, which Inductor's
+    kernels after an opaque op do too, but that check has not run yet."""
+    return (gdc_wait is not None and device.type == "cuda" and dependent_launch_wanted()
             and cuda_capability(device.index or 0)[0] >= 9)
 
 
