@@ -210,6 +210,8 @@ class ModelRegistry:
     async def _load(self, key: tuple[str, str], spec: ModelSpec, keep_s: float | None
                     ) -> EngineWorker:
         name = key[1]
+        if key in self._workers:  # lost (its process died or is ending): gone before anew
+            await self._unload(key, timeout_s=10.0)
         await self._make_room(key)
         kv_limit = await self._fit_budget(key, spec)
         # A thread: deciding may import torch (seconds), which must not stall the server.

@@ -309,10 +309,10 @@ class ProcessLoop:
         """The child ends running generations as cancelled at its next step, closes its
         engine and exits."""
         with self._lock:
-            if self._closed:
+            if self._closed and not self._gone:
                 return
             self._closed = True
-        try:
+        try:  # a child whose engine was lost may still run: it is told too
             self._send(("close",))
         except (OSError, ValueError, AttributeError):
             pass  # never started, or already gone
@@ -423,6 +423,11 @@ class ProcessLoop:
                 with self._lock:
                     sub = subs.pop(key, None)
                     self._stop_sent.discard(key)
+                    if isinstance(item[2], EngineProcessError):
+                        # The child's engine is lost and its process ending (a tensor-parallel
+                        # rank died): refuse new work now, before its pipe closes, so that a
+                        # client that retries at once gets an engine loaded anew.
+                        self._gone = self._closed = True
                 if sub is not None:
                     sub.emit(item[2])
             elif kind == "start":
@@ -459,7 +464,7 @@ class ProcessLoop:
     def _ended(self) -> None:
         """The child is gone: whatever it still owed ends with an error, never a hang."""
         with self._lock:
-            self._gone = not self._closed
+            self._gone = self._gone or not self._closed
             self._closed = True
             subs, self._subs = self._subs, {}
             jobs, self._jobs = self._jobs, {}

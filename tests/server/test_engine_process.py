@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import psutil
 import pytest
@@ -323,6 +324,39 @@ async def test_a_dead_engine_process_ends_its_requests_with_an_error():
         await worker.aclose(10)
 
 
+class LosesItsRank(EchoEngine):
+    """A step fails as a tensor-parallel engine's does when a rank dies: with an
+    EngineProcessError, while the child (whose engine exits soon after) still runs. Only
+    while the file `lose` exists (it is removed then), so that an engine loaded anew works."""
+
+    def __init__(self, *args, lose: str, **kw):
+        super().__init__(*args, **kw)
+        self.lose = Path(lose)
+
+    def before_token(self, request_no, index):
+        if index == 3 and self.lose.exists():
+            self.lose.unlink()
+            raise EngineProcessError("tensor-parallel rank 1 of the engine ended")
+
+
+async def test_an_engine_lost_in_the_child_is_unloaded_before_its_process_ends(tmp_path):
+    (tmp_path / "lose").touch()
+    worker = await started(partial(LosesItsRank, "fake", max_batch=4,
+                                   lose=str(tmp_path / "lose")))
+    try:
+        with pytest.raises(EngineProcessError, match="rank 1"):
+            await run(worker, "abcdef")
+        # At once, not when the child's pipe ends: a client that retries at once must reach
+        # an engine loaded anew, not the one going down.
+        assert not worker.loaded
+        assert worker.loop._process.is_alive()
+        with pytest.raises(EngineProcessError, match="process is gone"):
+            await run(worker, "abc")
+        assert worker.pending == 0
+    finally:
+        await worker.aclose(10)
+
+
 async def test_a_load_that_fails_in_the_child_keeps_its_error(tmp_path):
     worker = EngineWorker("w", process=True)
     make = partial(create_engine, "mlx", tmp_path, context_length=64, task="classify")
@@ -401,3 +435,27 @@ async def test_a_request_sent_to_a_gone_process_is_an_engine_error():
         assert worker.pending == 0
     finally:
         await worker.aclose(10)
+
+
+def test_a_lost_engine_is_closed_before_the_registry_loads_it_anew(make_client, tmp_path):
+    """The request the lost engine carried is a 503; the next loads a new child, once the old
+    one (still running: only its engine was lost) has been told to close and has exited."""
+    from tests.server.conftest import FakeFactory
+    from tests.server.helpers import CHAT
+
+    (tmp_path / "lose").touch()
+    factory = FakeFactory(engine_class=LosesItsRank, lose=str(tmp_path / "lose"), max_batch=4)
+    with make_client(factory, engine_process="on") as client:
+        registry = client.app.state.registry
+        response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503, response.text
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert registry.loaded_workers() == []
+        (lost,) = registry._workers.values()  # kept until the next request replaces it
+        old = lost.loop._process
+        assert not lost.loaded and old.is_alive()
+        response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        assert not old.is_alive()
+        (_, _, worker), = registry.loaded_workers()
+        assert worker is not lost and worker.loop._process.is_alive()
