@@ -161,3 +161,17 @@ def test_a_response_format_that_cannot_be_followed_is_400_naming_why(client, fmt
                               code="invalid_value")
     assert "response_format" in (err["param"] or "")
     assert words in (err["param"] or "") + err["message"]
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"properties": {"a": {"$ref": "#/definitions/nope"}}}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"$ref": "#/definitions/nope"}}}}}]}, "tools"),
+    ({"max_tokens": "10"}, "max_tokens"),
+])
+def test_an_error_names_its_field_once(client, patch, param):
+    err = assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, **patch}), 400,
+                              param=param, code="invalid_value")
+    assert err["message"].startswith(f"{param}: ") and f"{param}: {param}" not in err["message"]
