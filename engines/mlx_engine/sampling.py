@@ -22,6 +22,7 @@ import numpy as np
 
 from ..base import TokenLogprobs
 from ..grammar import MaskFiller
+from ..noise import UNIFORM_BITS
 from ..processing import Processing
 from ..runtime.plan import RowSampling
 
@@ -51,7 +52,8 @@ def row_uniforms(seeds: Sequence[int] | tuple[mx.array, mx.array], draws: Sequen
     key = _mix32(lo ^ _mix32(hi ^ _mix32(mx.array([d & _M32 for d in draws], dtype=mx.uint32))))
     columns = _mix32(mx.arange(width, dtype=mx.uint32))
     bits = _mix32(columns[None, :] ^ key[:, None])
-    return ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    # Strictly inside (0, 1) in float32 (noise.py says why).
+    return ((bits >> (32 - UNIFORM_BITS)).astype(mx.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 @dataclass

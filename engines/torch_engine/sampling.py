@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from ..base import TokenLogprobs
+from ..noise import UNIFORM_BITS
 from ..runtime.plan import ScheduledSeq
 from .transfer import ToHost, to_device
 
@@ -47,10 +48,19 @@ def _row_keys(seeds: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     return _mix32(lo ^ _mix32(hi ^ _mix32(draws & _M32)))
 
 
+def _bits(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits of each (row key, column) pair, broadcast."""
+    return _mix32(_mix32(columns) ^ keys)
+
+
+def unit(bits: torch.Tensor) -> torch.Tensor:
+    """32 random bits as a float32 uniform in (0, 1): never 0, never 1 (noise.py says why)."""
+    return ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+
+
 def _uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """The uniform number of each (row key, column) pair, broadcast."""
-    bits = _mix32(_mix32(columns) ^ keys)
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit(_bits(keys, columns))
 
 
 def row_uniforms(seeds: torch.Tensor, draws: torch.Tensor, width: int) -> torch.Tensor:

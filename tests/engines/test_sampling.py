@@ -270,3 +270,33 @@ def test_the_eager_nucleus_ranks_few_tokens_and_sorts_a_flat_row_whole():
     for draws in range(5):
         ints[:, 1] = draws
         assert torch.equal(sampling.race_among(eager, ints), sampling.race(eager, ints))
+
+
+def test_the_noise_never_draws_a_token_of_probability_zero():
+    """A uniform comes from 32 random bits; the largest such number must stay below 1 in
+    float32, or its noise -log(u) is 0 and a token of probability 0 (masked by a grammar, cut
+    by min_p) scores 0 / 0 = NaN, which argmax takes. A (seed, draw) whose row of the noise
+    holds that largest number is searched for, and a one-hot row is drawn with it."""
+    import torch
+
+    from engines.torch_engine.sampling import _bits, _row_keys, race, race_among, unit
+
+    width = 1 << 16
+    columns = torch.arange(width)
+    for seed in range(4096):  # one row in 2**24 / width holds it: found within a few hundred
+        bits = _bits(_row_keys(torch.tensor([seed]), torch.tensor([0]))[:, None], columns[None, :])
+        hit = torch.nonzero((bits[0] >> 8) == (1 << 24) - 1)
+        if len(hit):
+            break
+    else:
+        pytest.fail("no row holds the largest bits")
+    column = int(hit[0, 0])
+    assert 0.0 < float(unit(bits[0, column])) < 1.0
+    hot = 1 if column == 0 else 0
+    probs = torch.zeros(1, width)
+    probs[0, hot] = 1.0
+    ints = torch.tensor([[seed, 0, width]])
+    assert int(race(probs, ints)[0]) == hot
+    assert int(race_among(probs, ints)[0]) == hot
+    extreme = torch.tensor([0, 0xFFFFFFFF])  # the smallest and the largest bits
+    assert torch.all((unit(extreme) > 0) & (unit(extreme) < 1) & (-torch.log(unit(extreme)) > 0))
