@@ -21,7 +21,8 @@ from engines.grammar import JSON_LAYOUT, lark_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # a forced completion's most calls
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+_SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
 
 FALLBACK_INSTRUCTIONS = (
     "You may call one or more functions to help with the user's request. The functions are "
@@ -100,16 +101,12 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
     A block that is not a JSON object naming one of the tools stays text; a call repeated word
     for word (a small model's loop) counts once."""
     calls, kept, at, seen = [], [], 0, set()
-    for match in _BLOCK.finditer(text):
-        try:
-            body = json.loads(match.group(1))
-        except ValueError:
-            continue
+    for start, end, body in _blocks(text):
         if not (isinstance(body, dict) and body.get("name") in names):
             continue
         arguments = body.get("arguments", body.get("parameters", {}))
-        kept.append(text[at:match.start()])
-        at = match.end()
+        kept.append(text[at:start])
+        at = end
         key = json.dumps(body, sort_keys=True)
         if key in seen:
             continue
@@ -123,6 +120,30 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
     kept.append(text[at:])
     rest = "".join(kept).strip()
     return (rest or None), calls
+
+
+def _blocks(text: str):
+    """(start, end, body) of each block from OPEN to CLOSE: its JSON value read whole, so a
+    string in the arguments may hold CLOSE (the grammar of a forced call lets it); a block that
+    is not one JSON value ends at the first CLOSE, with body None."""
+    at = 0
+    while (start := text.find(OPEN, at)) >= 0:
+        inside = _SPACE.match(text, start + len(OPEN)).end()
+        try:
+            body, end = _DECODER.raw_decode(text, inside)
+        except ValueError:
+            body = None
+        else:
+            close = _SPACE.match(text, end).end()
+            if text.startswith(CLOSE, close):
+                at = close + len(CLOSE)
+                yield start, at, body
+                continue
+        close = text.find(CLOSE, start + len(OPEN))
+        if close < 0:
+            return
+        at = close + len(CLOSE)
+        yield start, at, None
 
 
 class CallHolder:

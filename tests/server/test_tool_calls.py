@@ -145,3 +145,18 @@ def test_the_forcing_grammar_takes_valid_calls_only(parallel):
     assert not accepts("Sure! " + CALL)
     assert accepts(CALL + "\n" + CALL) == parallel
     assert not accepts("\n".join([CALL] * 3))  # at most as many calls as tools
+
+
+def test_an_argument_that_holds_the_closing_tag_stays_in_its_call():
+    """The grammar of a forced call lets a string argument hold "</tool_call>" (the default
+    model wrote {"city": "London}}</tool_call>"} at temperature 0.7): the call is read as its
+    JSON, not cut at the first closing tag."""
+    city = 'London}}</tool_call>'
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+            + json.dumps(city) + '}}\n</tool_call>')
+    rest, calls = parse_calls(text, {"get_weather"})
+    assert rest is None and len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": city}
+    # A block that is not JSON still ends at its first closing tag, and stays text.
+    rest, calls = parse_calls("<tool_call>{oops</tool_call> then " + text, {"get_weather"})
+    assert rest == "<tool_call>{oops</tool_call> then" and len(calls) == 1
