@@ -187,6 +187,16 @@ class Stats:
         self.latency[kind].append(seconds)
 
 
+async def post_ok(client: httpx.AsyncClient, stats: Stats, kind: str, path: str,
+                  body: dict) -> dict | None:
+    """The answer's JSON; None once a status other than 200 is counted as kind's error."""
+    resp = await client.post(path, json=body)
+    if resp.status_code != 200:
+        stats.fail(f"{kind}:{resp.status_code}")
+        return None
+    return resp.json()
+
+
 async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stats, max_tokens: int,
                       expected: dict[str, str], kind: str | None = None):
     kind = kind or rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
@@ -223,11 +233,10 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
                     return
                 text, finish = stream_text(lines), stream_finish(lines)
             else:
-                resp = await client.post("/v1/chat/completions", json=body)
-                if resp.status_code != 200:
-                    stats.fail(f"grammar:{resp.status_code}")
+                out = await post_ok(client, stats, "grammar", "/v1/chat/completions", body)
+                if out is None:
                     return
-                choice = resp.json()["choices"][0]
+                choice = out["choices"][0]
                 text, finish = choice["message"]["content"], choice["finish_reason"]
             if finish == "stop":  # cut by max_tokens, it cannot be whole
                 try:
@@ -242,11 +251,10 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
                 return
         elif kind == "tools":
             body = tools_body(rng)
-            resp = await client.post("/v1/chat/completions", json=body)
-            if resp.status_code != 200:
-                stats.fail(f"tools:{resp.status_code}")
+            out = await post_ok(client, stats, "tools", "/v1/chat/completions", body)
+            if out is None:
                 return
-            choice = resp.json()["choices"][0]
+            choice = out["choices"][0]
             if choice["finish_reason"] == "tool_calls":
                 args = tool_arguments(choice["message"])
                 if args is None:
@@ -262,11 +270,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
         elif kind == "logprobs":
             body = {**chat_body(rng, max_tokens, False, temperature=0), "logprobs": True,
                     "top_logprobs": 3}
-            resp = await client.post("/v1/chat/completions", json=body)
-            if resp.status_code != 200:
-                stats.fail(f"logprobs:{resp.status_code}")
+            out = await post_ok(client, stats, "logprobs", "/v1/chat/completions", body)
+            if out is None:
                 return
-            out = resp.json()
             entries = out["choices"][0]["logprobs"]["content"]
             # Greedy: each token is its own likeliest alternative.
             if len(entries) != out["usage"]["completion_tokens"] or any(
@@ -297,11 +303,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
             topic = rng.choice(TOPICS)
             body = {"model": MODEL, "prompt": f"The best thing about {topic} is",
                     "max_tokens": 0, "echo": True, "logprobs": 1}
-            resp = await client.post("/v1/completions", json=body)
-            if resp.status_code != 200:
-                stats.fail(f"echo-score:{resp.status_code}")
+            out = await post_ok(client, stats, "echo-score", "/v1/completions", body)
+            if out is None:
                 return
-            out = resp.json()
             scores = out["choices"][0]["logprobs"]["token_logprobs"]
             if (len(scores) != out["usage"]["prompt_tokens"] or scores[0] is not None
                     or any(x is None or x > 0 for x in scores[1:])
@@ -309,11 +313,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
                 stats.fail("echo-score:wrong")
                 return
         elif kind == "penalties":
-            body = {**chat_body(rng, max_tokens, rng.random() < 0.5), "presence_penalty": 0.5,
+            body = {**chat_body(rng, max_tokens, False), "presence_penalty": 0.5,
                     "frequency_penalty": 0.5, "logit_bias": {"28": -100, "29": 2}}
-            resp = await client.post("/v1/chat/completions", json=body)
-            if resp.status_code != 200:
-                stats.fail(f"penalties:{resp.status_code}")
+            if await post_ok(client, stats, "penalties", "/v1/chat/completions", body) is None:
                 return
         elif kind == "responses":
             body = {"model": MODEL, "input": f"Tell me about {rng.choice(TOPICS)}.",
