@@ -480,12 +480,12 @@ def float_registry(path: Path) -> Path:
     return path
 
 
-def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(log_path: Path, engine: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(log_path, "w")
     registry = float_registry(log_path.with_suffix(".models.toml"))
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port),
-                             "--config", str(registry),
+                             "--config", str(registry), "--engine", engine,
                              "--shutdown-timeout", str(SHUTDOWN_GRACE_S)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -553,13 +553,17 @@ async def soak(url: str, pid: int, clients: int, minutes: float, max_tokens: int
     await asyncio.sleep(1)  # let cancelled generations reach their next step
     rss_end = process.memory_info().rss
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-        health = (await client.get("/health")).status_code
+        answer = await client.get("/health")
+    health = answer.status_code
+    engine = next((e["engine"] for e in answer.json().get("engines", [])
+                   if e["model"] == MODEL), "unknown")
     served_all = [x for kind in ("plain", "stream") for x in stats.latency[kind]]
     return {
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores "
                    f"(shared with other work; latencies are noisy)",
-        "model": MODEL, "clients": clients, "minutes": minutes, "max_tokens": max_tokens,
+        "model": MODEL, "engine": engine, "clients": clients, "minutes": minutes,
+        "max_tokens": max_tokens,
         "elapsed_s": round(elapsed, 1),
         "requests": sum(stats.served.values()) + sum(stats.errors.values()),
         "served": dict(stats.served),
@@ -625,8 +629,8 @@ def report_md(r: dict) -> str:
     mib = lambda b: f"{b / 2**20:.0f} MiB"
     lines = [
         "# Soak test", "",
-        (f"`scripts/soak.py`, {r['date']}, {r['machine']}; model {r['model']} on the torch "
-         f"engine (float32; and {EMBED_MODEL} for embeddings), {r['clients']} concurrent clients for {r['minutes']} min, "
+        (f"`scripts/soak.py`, {r['date']}, {r['machine']}; model {r['model']} on the "
+         f"{r.get('engine', 'torch')} engine (float32; and {EMBED_MODEL} for embeddings), {r['clients']} concurrent clients for {r['minutes']} min, "
          f"max_tokens {r['max_tokens']}."),
         "", "| | |", "|---|---|",
         f"| requests | {r['requests']} ({r['throughput_rps']} answered per second) |",
@@ -706,6 +710,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--minutes", type=float, default=2.5)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--engine", choices=["auto", "torch", "mlx"], default="auto",
+                        help="the engine of the server it starts, for the default model")
     parser.add_argument("--url", help="a running server (default: start one)")
     parser.add_argument("--pid", type=int, help="its process id, for memory (with --url)")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="where soak.md/json go")
@@ -717,7 +723,7 @@ def main() -> int:
         url, pid = args.url, args.pid
     else:
         log_path = Path(tempfile.gettempdir()) / "duet-soak-server.log"
-        proc, url = start_server(log_path)
+        proc, url = start_server(log_path, args.engine)
         pid = proc.pid
         print(f"server {url} (pid {pid}, log {log_path})")
     try:
