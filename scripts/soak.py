@@ -132,15 +132,26 @@ def tool_arguments(message: dict) -> str | None:
         args, WEATHER_TOOL["function"]["parameters"]) else None
 
 
+async def streamed(client: httpx.AsyncClient, path: str, body: dict
+                   ) -> tuple[httpx.Response, list[str]]:
+    """A streamed answer and its non-empty lines."""
+    async with client.stream("POST", path, json=body) as resp:
+        return resp, [line async for line in resp.aiter_lines() if line]
+
+
+def chunk_choices(lines: list[str]) -> list[dict]:
+    """Each streamed chat chunk's choice (the usage chunk, which has none, left out)."""
+    return [json.loads(line[6:])["choices"][0] for line in lines
+            if line.startswith('data: {"id') and '"choices":[{' in line]
+
+
 def stream_text(lines: list[str]) -> str:
-    return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                   for line in lines if line.startswith('data: {"id') and '"choices":[{' in line)
+    return "".join(c["delta"].get("content") or "" for c in chunk_choices(lines))
 
 
 def stream_finish(lines: list[str]) -> str | None:
-    reasons = [json.loads(line[6:])["choices"][0].get("finish_reason")
-               for line in lines if line.startswith('data: {"id') and '"choices":[{' in line]
-    return next((r for r in reversed(reasons) if r), None)
+    return next((c["finish_reason"] for c in reversed(chunk_choices(lines))
+                 if c.get("finish_reason")), None)
 
 
 async def slow_headers(url: str, rng: random.Random) -> str | None:
@@ -214,8 +225,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
                 return
         elif kind == "stream":
             body = chat_body(rng, max_tokens, True)
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                lines = [line async for line in resp.aiter_lines() if line]
+            resp, lines = await streamed(client, "/v1/chat/completions", body)
             if resp.status_code != 200 or lines[-1] != "data: [DONE]" or any('"error"' in l for l in lines):
                 stats.fail(f"stream:{resp.status_code}:{lines[-1][:40] if lines else ''}")
                 return
@@ -226,8 +236,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
             stream = rng.random() < 0.5
             body = grammar_body(rng, stream)
             if stream:
-                async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    lines = [line async for line in resp.aiter_lines() if line]
+                resp, lines = await streamed(client, "/v1/chat/completions", body)
                 if resp.status_code != 200 or lines[-1] != "data: [DONE]":
                     stats.fail(f"grammar:{resp.status_code}")
                     return
@@ -288,10 +297,8 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
             body = {**chat_body(rng, max_tokens, rng.random() < 0.5, temperature=0.8), "n": 2,
                     "seed": rng.randrange(1000)}
             if body["stream"]:
-                async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    lines = [line async for line in resp.aiter_lines() if line]
-                indexes = {json.loads(line[6:])["choices"][0]["index"] for line in lines
-                           if line.startswith('data: {"id') and '"choices":[{' in line}
+                resp, lines = await streamed(client, "/v1/chat/completions", body)
+                indexes = {c["index"] for c in chunk_choices(lines)}
             else:
                 resp = await client.post("/v1/chat/completions", json=body)
                 indexes = {c["index"] for c in resp.json().get("choices", [])} \
@@ -320,8 +327,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Stat
         elif kind == "responses":
             body = {"model": MODEL, "input": f"Tell me about {rng.choice(TOPICS)}.",
                     "max_output_tokens": max_tokens, "temperature": 0, "stream": True}
-            async with client.stream("POST", "/v1/responses", json=body) as resp:
-                lines = [line async for line in resp.aiter_lines() if line]
+            resp, lines = await streamed(client, "/v1/responses", body)
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
             if resp.status_code != 200 or not events or events[-1]["type"] not in (
                     "response.completed", "response.incomplete"):
@@ -595,8 +601,7 @@ async def shutdown_under_load(url: str, proc: subprocess.Popen, log_path: Path,
     async def one(i: int, client: httpx.AsyncClient):
         body = chat_body(rng, max_tokens, stream=i % 2 == 0)
         try:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                lines = [line async for line in resp.aiter_lines() if line]
+            resp, lines = await streamed(client, "/v1/chat/completions", body)
         except httpx.HTTPError as exc:
             outcomes[f"lost:{type(exc).__name__}"] += 1
             return

@@ -174,7 +174,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     param = _param_from_loc(tuple(first.get("loc", ()))) or (first.get("ctx") or {}).get("name")
     msg = first.get("msg", "Invalid value")
     # pydantic's messages do not name the field; our own (PydanticCustomError) begin with it.
-    if param and code == "invalid_value" and not msg.startswith(f"{param}"):
+    if param and code == "invalid_value" and not msg.startswith((f"{param}:", f"{param} ")):
         msg = f"{param}: {msg}"
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
