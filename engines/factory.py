@@ -46,6 +46,18 @@ def require_backend(name: str) -> None:
         raise backend_missing(name)
 
 
+def import_backend(name: str) -> None:
+    """Import what building the named engine imports (seconds of torch or MLX, and of
+    transformers for its tokenizer): in an engine's process before it is asked to load."""
+    if name == "torch":
+        from . import torch_engine  # noqa: F401
+    elif name == "mlx":
+        from . import mlx_engine  # noqa: F401
+    from .tokenizer import import_transformers
+
+    import_transformers()
+
+
 def create_engine(
     name: str,
     model_dir: Path,

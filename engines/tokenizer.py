@@ -44,6 +44,11 @@ def piece_bytes(piece: str | None, byte_level: bool) -> bytes | None:
     return None
 
 
+def import_transformers() -> None:
+    """Import the modules a ChatTokenizer is built and unpickled with (seconds, ahead of time)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+
 class ChatTokenizer:
     _grammar = None  # llguidance's view of the vocabulary, built on first use (not pickled)
 

@@ -16,6 +16,7 @@ from engines.factory import (
     backend_available,
     backend_missing,
     create_engine,
+    import_backend,
     resolve_engine_name,
 )
 from engines.keep_alive import parse_keep_alive
@@ -43,6 +44,10 @@ class EngineFactory(Protocol):
     def estimate(self, name: str, spec: ModelSpec) -> Estimate: ...
 
     def default_memory_budget(self) -> int: ...
+
+    def prepare(self, name: str) -> None:
+        """Import what create(name) needs, in an engine's process before it is asked to load.
+        Pickles, as create does."""
 
 
 class BackendEngineFactory:
@@ -79,6 +84,9 @@ class BackendEngineFactory:
             name, model_dir, context_length=spec.context_length, dtype=spec.dtype,
             task=spec.task, quantize=spec.quantize, runtime_options=runtime, **options,
         )
+
+    def prepare(self, name: str) -> None:
+        import_backend(name)
 
     def _device(self) -> str:
         from engines.device import choose_device
@@ -212,20 +220,22 @@ class ModelRegistry:
         name = key[1]
         if key in self._workers:  # lost (its process died or is ending): gone before anew
             await self._unload(key, timeout_s=10.0)
-        await self._make_room(key)
-        kv_limit = await self._fit_budget(key, spec)
         # A thread: deciding may import torch (seconds), which must not stall the server.
         process = self._engine_process is not None and await asyncio.to_thread(
             self._engine_process, spec, name)
         worker = EngineWorker(f"{spec.id}/{name}", process=process, **self._worker_options)
         try:
+            if process:  # it imports its backend (seconds) while the budget is worked out here
+                await asyncio.to_thread(worker.start, partial(self.factory.prepare, name))
+            await self._make_room(key)
+            kv_limit = await self._fit_budget(key, spec)
             # A partial, not a lambda: it is pickled when the engine has its own process.
             await worker.load(partial(self.factory.create, name, spec, kv_limit))
-        except EngineError:
-            worker.close()
+        except (EngineError, APIError):
+            self._discard(worker)
             raise
         except Exception as exc:
-            worker.close()
+            self._discard(worker)
             log.exception("loading %s on %s failed", spec.id, name)
             raise APIError(
                 503, f"model '{spec.id}' could not be loaded on the {name} engine: {exc}",
@@ -234,6 +244,13 @@ class ModelRegistry:
         self._workers[key] = worker
         self.residency.used(key, keep_s, time.monotonic())
         return worker
+
+    @staticmethod
+    def _discard(worker: EngineWorker) -> None:
+        """Close a worker that did not load; its process, if it has one, is waited for (so
+        reaped) off the event loop."""
+        worker.close()
+        asyncio.get_running_loop().run_in_executor(None, worker.loop.join, 30.0)
 
     async def _evict_one(self, keep: tuple[str, str], refuse: Callable[[], APIError],
                          give_up: float) -> None:

@@ -265,6 +265,12 @@ class EngineWorker:
                 if job.started is not None:
                     self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
 
+    def start(self, prepare: Callable[[], None] | None = None) -> None:
+        """Start the engine's process ahead of load(), running prepare() there (its imports)
+        until load() says what to build; an engine in this process has nothing to start."""
+        if isinstance(self.loop, ProcessLoop):
+            self.loop.start(prepare)
+
     async def load(self, make: Callable[[], Engine]) -> Engine:
         """make() builds the engine on the engine's thread (or in its process: then make must
         pickle)."""

@@ -6,8 +6,11 @@ one GIL: at 64 streams on a GPU the loop waited for the interpreter more than fo
 interface (load, add, run_job, close, join, runtime) with the engine, its runtime and
 its loop in a spawned child, the way vLLM splits its engine core from its API server.
 
+The child may start before it is asked to load (start()): it imports its backend meanwhile
+(seconds of torch or MLX and transformers), while the parent still sizes the memory budget.
+
 The wire, one pipe each way:
-- parent -> child: ("add", key, prompt_ids, params, arrival), ("stop", key),
+- parent -> child: ("load", make) first, then ("add", key, prompt_ids, params, arrival), ("stop", key),
   ("job", key, fn, beside_batch), ("close",). A stop is what the parent sees in a request's
   should_stop, forwarded when it first says so (looked at every stops_every_s while messages
   flow, every poll_s when the child is quiet).
@@ -44,6 +47,7 @@ from ..base import (
     TokenLogprobs,
 )
 from ..generation import PromptSide
+from ..tokenizer import import_transformers
 from .loop import EngineLoop
 from .plan import RuntimeStatus
 from .runtime import Submission
@@ -200,12 +204,29 @@ class _Child:
             pass  # the parent is gone; serve() sees it too and closes
 
 
-def serve(commands, events, make: Callable[[], Any], name: str, log_level: int) -> None:
-    """The child's main: build the engine, say so, then run its loop for the parent."""
+def serve(commands, events, name: str, log_level: int,
+          prepare: Callable[[], None] | None) -> None:
+    """The child's main: prepare (imports) while the parent decides, then build the engine it
+    is asked for, say so, and run its loop for the parent."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    if prepare is not None:
+        try:
+            prepare()
+        except Exception:  # the load says what is wrong, in its own words
+            log.debug("preparing the engine process failed", exc_info=True)
+    try:
+        msg = commands.recv()
+    except (EOFError, OSError):
+        return  # the parent went away before asking
+    except Exception as exc:  # what to build could not be read here (an import it needs)
+        events.send(("failed", _portable(exc)))
+        return
+    if msg[0] != "load":
+        return  # closed before it was asked to load (the budget refused the model)
+    make = msg[1]
     child = _Child(events, name)
     try:
         # Built on the loop's thread, which owns it from then on (MLX streams are per thread).
@@ -261,9 +282,29 @@ class ProcessLoop:
 
     # -- from any thread ----------------------------------------------------------------------
 
+    def start(self, prepare: Callable[[], None] | None = None) -> None:
+        """Start the child now, before load(): it runs prepare() (pickled, as make is; its
+        imports, say) while the caller works out what to load."""
+        if self._process is not None:
+            return
+        context = multiprocessing.get_context("spawn")  # CUDA and MLX do not survive a fork
+        commands_in, commands_out = context.Pipe(duplex=False)
+        events_in, events_out = context.Pipe(duplex=False)
+        try:
+            process = context.Process(
+                target=serve, name=f"duet-engine-{self.name}", daemon=True,
+                args=(commands_in, events_out, self.name, logging.getLogger().level, prepare))
+            process.start()
+        finally:
+            commands_in.close()
+            events_out.close()
+        self._process = process
+        self._commands, self._events = commands_out, events_in
+
     def load(self, make: Callable[[], Any]) -> Future:
-        """Start the child, which builds the engine with make() (pickled: a module-level
-        function or a partial of one); the future gives the RemoteEngine."""
+        """Start the child unless start() did, and have it build the engine with make()
+        (pickled: a module-level function or a partial of one); the future gives the
+        RemoteEngine."""
         future: Future = Future()
         threading.Thread(target=self._start, args=(make, future), daemon=True,
                          name=f"engine-{self.name}-start").start()
@@ -351,21 +392,21 @@ class ProcessLoop:
             self._commands.send(msg)
 
     def _start(self, make: Callable[[], Any], future: Future) -> None:
-        context = multiprocessing.get_context("spawn")  # CUDA and MLX do not survive a fork
-        commands_in, commands_out = context.Pipe(duplex=False)
-        events_in, events_out = context.Pipe(duplex=False)
         try:
-            self._process = context.Process(
-                target=serve, name=f"duet-engine-{self.name}", daemon=True,
-                args=(commands_in, events_out, make, self.name, logging.getLogger().level))
-            self._process.start()
+            self.start()
         except Exception as exc:
             future.set_exception(RuntimeError(f"the engine process could not start: {exc}"))
             return
-        finally:
-            commands_in.close()
-            events_out.close()
-        self._commands, self._events = commands_out, events_in
+        events_in = self._events
+        try:
+            self._send(("load", make))
+        except Exception as exc:  # make does not pickle (a bug of ours), or the child is gone
+            self.close()  # a child still waiting for what to build exits
+            future.set_exception(RuntimeError(f"the engine process could not be asked to load: "
+                                              f"{exc}"))
+            return
+        # What its answer unpickles with (its tokenizer's library: seconds), while it loads.
+        import_transformers()
         try:
             msg = events_in.recv()
         except (EOFError, OSError):

@@ -47,6 +47,9 @@ class FakeFactory:
     def default_memory_budget(self):
         return 1 << 40
 
+    def prepare(self, name):
+        pass  # nothing to import ahead of time
+
     def create(self, name, spec, kv_cache_limit=None):
         if spec.task in ("classify", "embed"):
             engine = FakeClassifier(name) if spec.task == "classify" else FakeEmbedder(name)

@@ -34,6 +34,9 @@ class SlowFactory:
     def default_memory_budget(self):
         return 1 << 40
 
+    def prepare(self, name):
+        pass
+
     def create(self, name, spec, kv_cache_limit=None):
         return ReportingEngine(name, reply=self.reply, context_length=4096, token_delay_s=0.05)
 

@@ -33,6 +33,7 @@ from engines.runtime.process import EngineProcessError, _portable, wants_process
 from server.classify_service import _classify
 from server.errors import APIError
 from server.worker import EngineWorker
+from tests.server.conftest import FakeFactory
 
 pytestmark = pytest.mark.anyio
 
@@ -379,7 +380,6 @@ def test_the_http_api_through_an_engine_process(make_client):
     """The server with --engine-process on: generation (plain and streamed), zero-shot
     classification, /health with the child's batch and KV pool; a killed child is loaded anew on
     the next request; closing the app leaves no engine process behind."""
-    from tests.server.conftest import FakeFactory
     from tests.server.helpers import CHAT, REPLY, sse_events
 
     with make_client(FakeFactory(token_delay_s=0.002, max_batch=4), engine_process="on") as client:
@@ -437,10 +437,85 @@ async def test_a_request_sent_to_a_gone_process_is_an_engine_error():
         await worker.aclose(10)
 
 
+class PreparesInItsProcess(FakeFactory):
+    """prepare() leaves a file named by the pid of the process it ran in; estimate() (the
+    server's budget, before the load) waits for one from another process: a load whose
+    engine process started only after the budget was worked out would wait it out and fail."""
+
+    def __init__(self, marks: str, **kw):
+        super().__init__(**kw)
+        self.marks = Path(marks)
+
+    def prepare(self, name):
+        (self.marks / str(os.getpid())).touch()
+
+    def estimate(self, name, spec):
+        deadline = time.monotonic() + 20
+        while not any(p.name != str(os.getpid()) for p in self.marks.iterdir()):
+            assert time.monotonic() < deadline, "the engine process was not started first"
+            time.sleep(0.01)
+        return super().estimate(name, spec)
+
+
+def test_the_engine_process_prepares_while_the_server_sizes_the_budget(make_client, tmp_path):
+    """The engine's process starts, and imports its backend, before the memory budget is worked
+    out for it."""
+    from tests.server.helpers import CHAT
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    factory = PreparesInItsProcess(str(marks), max_batch=4)
+    with make_client(factory, engine_process="on") as client:
+        response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        (_, _, worker), = client.app.state.registry.loaded_workers()
+        assert {p.name for p in marks.iterdir()} == {str(worker.loop._process.pid)}
+
+
+def test_an_engine_process_the_budget_refuses_ends(make_client):
+    """A model the budget cannot hold is a 503 naming the budget, and the engine process started
+    for it (waiting to be told what to build) exits."""
+    from tests.server.helpers import CHAT
+
+    factory = FakeFactory(weights_bytes=1 << 41)  # the budget is 1 << 40
+    with make_client(factory, engine_process="on", preload=False) as client:
+        response = client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503, response.text
+        assert "--memory-budget" in response.json()["error"]["message"]
+        assert client.app.state.registry.loaded_workers() == []
+
+        def engine_processes():  # multiprocessing's resource tracker stays
+            try:
+                return [p for p in psutil.Process().children()
+                        if "resource_tracker" not in " ".join(p.cmdline())]
+            except psutil.ZombieProcess:  # exited, not yet waited for
+                return [None]
+
+        deadline = time.monotonic() + 10
+        while engine_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine_processes() == []
+
+
+async def test_a_child_started_ahead_loads_what_it_is_then_asked(tmp_path):
+    """start() runs prepare in the child before load() sends what to build; a make that does
+    not pickle is an error, and the child waiting for it exits."""
+    worker = EngineWorker("w", process=True)
+    worker.start(partial(Path.touch, tmp_path / "prepared"))
+    assert await until(lambda: (tmp_path / "prepared").exists())
+    await worker.load(echo())
+    assert (await run(worker, "abc"))[0] == "cba"
+    await worker.aclose(10)
+    worker = EngineWorker("w", process=True)
+    worker.start(None)
+    with pytest.raises(RuntimeError, match="could not be asked to load"):
+        await worker.load(lambda: EchoEngine("fake"))
+    assert worker.loop.join(10)
+
+
 def test_a_lost_engine_is_closed_before_the_registry_loads_it_anew(make_client, tmp_path):
     """The request the lost engine carried is a 503; the next loads a new child, once the old
     one (still running: only its engine was lost) has been told to close and has exited."""
-    from tests.server.conftest import FakeFactory
     from tests.server.helpers import CHAT
 
     (tmp_path / "lose").touch()
