@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 import psutil
 
@@ -32,6 +34,15 @@ def choose_device(requested: str = "auto") -> str:
     if requested not in ("cpu", "mps") and not requested.startswith("cuda"):
         raise ValueError(f"unknown device '{requested}' (use auto, cpu, cuda or mps)")
     return requested
+
+
+def cuda_visible(dev: Path = Path("/dev"), env: Mapping[str, str] = os.environ) -> bool:
+    """Whether NVIDIA's driver shows this process a GPU, read from its device files without
+    importing torch (seconds): a guess for work that may start before choose_device decides (an
+    engine's process), never the decision (a CPU-only torch build sees no GPU here)."""
+    if env.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    return (dev / "nvidiactl").exists()
 
 
 def choose_dtype(requested: str, device: str) -> str:

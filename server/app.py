@@ -16,6 +16,7 @@ from engines.runtime.sizing import RuntimeOptions
 
 from .auth import APIKeyMiddleware
 from .bench import STATIC_DIR, BenchService
+from .bench_gate import BenchLoadGate, LoadGate
 from .classify_service import ClassificationService
 from .embed_service import EmbeddingService
 from .errors import install_error_handlers
@@ -24,10 +25,9 @@ from .registry import (
     BackendEngineFactory,
     EngineFactory,
     ModelRegistry,
+    ProcessPolicy,
     default_model_id,
-    process_policy,
 )
-from .bench_gate import BenchLoadGate, LoadGate
 from .request_guard import RequestGuard, ShutdownNotice
 from .routes import router
 from .service import GenerationService
@@ -56,8 +56,8 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
     registry = ModelRegistry(
         specs, factory, override,
         max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
-        engine_process=process_policy(settings.engine_process, settings.device,
-                                      settings.tensor_parallel),
+        engine_process=ProcessPolicy(settings.engine_process, settings.device,
+                                     settings.tensor_parallel),
         keep_alive=settings.keep_alive, max_loaded=settings.max_loaded_models,
         memory_budget=settings.memory_budget,
     )

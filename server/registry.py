@@ -11,6 +11,7 @@ from functools import partial
 from typing import Protocol
 
 from engines.base import Engine, EngineError, UnsupportedModel
+from engines.device import cuda_visible
 from engines.factory import (
     ENGINE_NAMES,
     backend_available,
@@ -132,7 +133,7 @@ class ModelRegistry:
         *,
         max_queue: int | None = None,
         request_timeout_s: float | None = None,
-        engine_process: Callable[[ModelSpec, str], bool] | None = None,
+        engine_process: ProcessPolicy | None = None,
         keep_alive: str | float = -1,
         max_loaded: int | None = None,
         memory_budget: int | None = None,
@@ -220,13 +221,22 @@ class ModelRegistry:
         name = key[1]
         if key in self._workers:  # lost (its process died or is ending): gone before anew
             await self._unload(key, timeout_s=10.0)
-        # A thread: deciding may import torch (seconds), which must not stall the server.
-        process = self._engine_process is not None and await asyncio.to_thread(
-            self._engine_process, spec, name)
-        worker = EngineWorker(f"{spec.id}/{name}", process=process, **self._worker_options)
+        label = f"{spec.id}/{name}"
+        policy = self._engine_process
+        worker = None
         try:
-            if process:  # it imports its backend (seconds) while the budget is worked out here
-                await asyncio.to_thread(worker.start, partial(self.factory.prepare, name))
+            if policy is not None and policy.likely(spec, name):
+                # Started before deciding (which may import torch here: seconds), it imports
+                # its backend meanwhile (seconds there), and while the budget is worked out.
+                worker = await self._process_worker(label, name)
+            # A thread: deciding may import torch (seconds), which must not stall the server.
+            process = policy is not None and await asyncio.to_thread(policy, spec, name)
+            if worker is not None and not process:  # the guess was wrong: it runs in this one
+                self._discard(worker)
+                worker = None
+            if worker is None:
+                worker = await self._process_worker(label, name) if process else \
+                    EngineWorker(label, **self._worker_options)
             await self._make_room(key)
             kv_limit = await self._fit_budget(key, spec)
             # A partial, not a lambda: it is pickled when the engine has its own process.
@@ -245,10 +255,19 @@ class ModelRegistry:
         self.residency.used(key, keep_s, time.monotonic())
         return worker
 
+    async def _process_worker(self, label: str, name: str) -> EngineWorker:
+        """A worker whose engine process starts now, importing the named engine's backend
+        until it is told what to build."""
+        worker = EngineWorker(label, process=True, **self._worker_options)
+        await asyncio.to_thread(worker.start, partial(self.factory.prepare, name))
+        return worker
+
     @staticmethod
-    def _discard(worker: EngineWorker) -> None:
+    def _discard(worker: EngineWorker | None) -> None:
         """Close a worker that did not load; its process, if it has one, is waited for (so
         reaped) off the event loop."""
+        if worker is None:
+            return
         worker.close()
         asyncio.get_running_loop().run_in_executor(None, worker.loop.join, 30.0)
 
@@ -383,28 +402,44 @@ def tensor_parallel(spec: ModelSpec, server_default: int) -> int:
     return spec.tensor_parallel or server_default
 
 
-def process_policy(mode: str, device: str,
-                   tensor_parallel_default: int = 1) -> Callable[[ModelSpec, str], bool]:
+class ProcessPolicy:
     """Whether a model's engine gets a process of its own (--engine-process): generating
     engines only (a classifier runs one request at a time); auto decides by the torch device,
     found on first use rather than at start-up (it imports torch). A tensor-parallel engine
     always has one: its ranks' processes end with it (torch_engine/ranks.py), never the
     server."""
 
-    def decide(spec: ModelSpec, engine: str) -> bool:
-        if spec.task != "generate":
-            return False
-        if engine == "torch" and tensor_parallel(spec, tensor_parallel_default) > 1:
-            return True
-        if mode != "auto":
-            return wants_process(mode, device)
-        if not backend_available("torch"):
-            return False
+    def __init__(self, mode: str, device: str, tensor_parallel_default: int = 1):
+        wants_process(mode, "cpu")  # a mode that does not exist fails here, at start-up
+        self.mode, self.device = mode, device
+        self.tensor_parallel_default = tensor_parallel_default
+
+    def __call__(self, spec: ModelSpec, engine: str) -> bool:
         from engines.device import choose_device
 
-        return wants_process(mode, choose_device(device))
+        return self._decide(spec, engine, lambda: choose_device(self.device))
 
-    return decide
+    def likely(self, spec: ModelSpec, engine: str) -> bool:
+        """The decision as far as it is made without importing torch: where the device is
+        auto, a GPU the driver shows counts as CUDA (so a process started on the guess is
+        rarely one too many: a CPU-only torch on a GPU machine)."""
+        def guess() -> str:
+            if self.device != "auto":
+                return self.device
+            return "cuda" if cuda_visible() else "cpu"
+
+        return self._decide(spec, engine, guess)
+
+    def _decide(self, spec: ModelSpec, engine: str, device: Callable[[], str]) -> bool:
+        if spec.task != "generate":
+            return False
+        if engine == "torch" and tensor_parallel(spec, self.tensor_parallel_default) > 1:
+            return True
+        if self.mode != "auto":
+            return wants_process(self.mode, self.device)
+        if not backend_available("torch"):
+            return False
+        return wants_process(self.mode, device())
 
 
 def _default_engine(spec: ModelSpec, requested: str) -> str:

@@ -111,16 +111,16 @@ def test_repository_embedding_model_is_a_zip_in_its_package():
 
 
 def test_tensor_parallel_is_for_generate_models_on_the_torch_engine(tmp_path):
-    from server.registry import process_policy, tensor_parallel
+    from server.registry import ProcessPolicy, tensor_parallel
 
     (spec,) = load_models_file(write(tmp_path, GOOD + "tensor_parallel = 2\n"))
     assert tensor_parallel(spec, 1) == 2
     (plain,) = load_models_file(write(tmp_path, GOOD))
     assert tensor_parallel(plain, 1) == 1 and tensor_parallel(plain, 4) == 4  # the server's
     # Its ranks' processes end with the engine's own process, never with the server.
-    decide = process_policy("off", "cpu")
+    decide = ProcessPolicy("off", "cpu")
     assert decide(spec, "torch") and not decide(plain, "torch")
-    assert process_policy("off", "cpu", tensor_parallel_default=2)(plain, "torch")
+    assert ProcessPolicy("off", "cpu", tensor_parallel_default=2)(plain, "torch")
     for line in ('engine = "mlx"\n', 'task = "embed"\n'):
         with pytest.raises(ConfigError, match="tensor_parallel is for generate models"):
             load_models_file(write(tmp_path, GOOD + "tensor_parallel = 2\n" + line))

@@ -10,6 +10,7 @@ from engines.device import (
     choose_decode_dtype,
     choose_device,
     choose_dtype,
+    cuda_visible,
     memory_meter,
 )
 
@@ -33,6 +34,14 @@ def test_explicit_device_that_is_missing_is_an_error(monkeypatch):
     with pytest.raises(ValueError, match="unknown device"):
         choose_device("tpu")
     assert choose_device("cpu") == "cpu"
+
+
+def test_a_gpu_shows_in_the_drivers_device_files_unless_hidden(tmp_path):
+    assert not cuda_visible(tmp_path, {})
+    (tmp_path / "nvidiactl").touch()
+    assert cuda_visible(tmp_path, {}) and cuda_visible(tmp_path, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert not cuda_visible(tmp_path, {"CUDA_VISIBLE_DEVICES": ""})
+    assert not cuda_visible(tmp_path, {"CUDA_VISIBLE_DEVICES": "-1"})
 
 
 def test_dtype_defaults_per_device():

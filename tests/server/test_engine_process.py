@@ -367,6 +367,86 @@ async def test_a_load_that_fails_in_the_child_keeps_its_error(tmp_path):
     assert worker.loop.join(10)
 
 
+class PreparesInItsProcess(FakeFactory):
+    """prepare() leaves a file named by the pid of the process it ran in; estimate() (the
+    server's budget, before the load) waits for one from another process: a load whose
+    engine process started only after the budget was worked out would wait it out and fail."""
+
+    def __init__(self, marks: str, **kw):
+        super().__init__(**kw)
+        self.marks = Path(marks)
+
+    def prepare(self, name):
+        (self.marks / str(os.getpid())).touch()
+
+    def estimate(self, name, spec):
+        deadline = time.monotonic() + 20
+        while not any(p.name != str(os.getpid()) for p in self.marks.iterdir()):
+            assert time.monotonic() < deadline, "the engine process was not started first"
+            time.sleep(0.01)
+        return super().estimate(name, spec)
+
+
+def test_the_policy_guesses_the_decision_without_torch(monkeypatch, tmp_path):
+    """likely() is the decision with a GPU the driver shows taken for CUDA; a mode other than
+    auto, a split model and a classifier are decided alike."""
+    from engines.models.config import load_models_file
+    from server import registry
+    from server.registry import ProcessPolicy
+
+    (tmp_path / "m.toml").write_text(
+        '[[models]]\nid = "g"\nsource = "path:/x"\n'
+        '[[models]]\nid = "c"\nsource = "path:/x"\ntask = "classify"\n')
+    generate, classify = load_models_file(tmp_path / "m.toml")
+    monkeypatch.setattr(registry, "cuda_visible", lambda: True)
+    assert ProcessPolicy("auto", "auto").likely(generate, "torch")
+    assert not ProcessPolicy("auto", "auto").likely(classify, "torch")
+    assert not ProcessPolicy("auto", "cpu").likely(generate, "torch")
+    assert not ProcessPolicy("auto", "auto")(generate, "torch")  # this machine has no GPU
+    monkeypatch.setattr(registry, "cuda_visible", lambda: False)
+    assert not ProcessPolicy("auto", "auto").likely(generate, "torch")
+    assert ProcessPolicy("on", "auto").likely(generate, "mlx")
+    assert ProcessPolicy("off", "auto", tensor_parallel_default=2).likely(generate, "torch")
+    with pytest.raises(ValueError):
+        ProcessPolicy("sometimes", "auto")
+
+
+def engine_processes() -> list:
+    """This process's engine processes (multiprocessing's resource tracker stays)."""
+    try:
+        return [p for p in psutil.Process().children()
+                if "resource_tracker" not in " ".join(p.cmdline())]
+    except psutil.ZombieProcess:  # exited, not yet waited for
+        return [None]
+
+
+def no_engine_process_within(limit_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + limit_s
+    while engine_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine_processes() == []
+
+
+def test_an_engine_process_started_on_a_wrong_guess_ends(make_client, monkeypatch, tmp_path):
+    """Where the driver shows a GPU that torch does not see, a process is started on the guess
+    (it prepares), then exits, and the engine runs in the server."""
+    from server import registry
+    from tests.server.helpers import CHAT, REPLY
+
+    monkeypatch.setattr(registry, "cuda_visible", lambda: True)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    factory = PreparesInItsProcess(str(marks), max_batch=4)
+    with make_client(factory, engine_process="auto", device="auto") as client:
+        body = client.post("/v1/chat/completions", json=CHAT).json()
+        assert body["choices"][0]["message"]["content"] == REPLY
+        (_, _, worker), = client.app.state.registry.loaded_workers()
+        assert worker.loop.pid == os.getpid()
+        assert no_engine_process_within()
+        (mark,) = marks.iterdir()
+        assert mark.name != str(os.getpid())
+
+
 def test_the_auto_mode_asks_for_a_process_on_cuda_only():
     assert wants_process("auto", "cuda") and wants_process("auto", "cuda:1")
     assert not wants_process("auto", "cpu") and not wants_process("auto", "mps")
@@ -437,26 +517,6 @@ async def test_a_request_sent_to_a_gone_process_is_an_engine_error():
         await worker.aclose(10)
 
 
-class PreparesInItsProcess(FakeFactory):
-    """prepare() leaves a file named by the pid of the process it ran in; estimate() (the
-    server's budget, before the load) waits for one from another process: a load whose
-    engine process started only after the budget was worked out would wait it out and fail."""
-
-    def __init__(self, marks: str, **kw):
-        super().__init__(**kw)
-        self.marks = Path(marks)
-
-    def prepare(self, name):
-        (self.marks / str(os.getpid())).touch()
-
-    def estimate(self, name, spec):
-        deadline = time.monotonic() + 20
-        while not any(p.name != str(os.getpid()) for p in self.marks.iterdir()):
-            assert time.monotonic() < deadline, "the engine process was not started first"
-            time.sleep(0.01)
-        return super().estimate(name, spec)
-
-
 def test_the_engine_process_prepares_while_the_server_sizes_the_budget(make_client, tmp_path):
     """The engine's process starts, and imports its backend, before the memory budget is worked
     out for it."""
@@ -483,18 +543,7 @@ def test_an_engine_process_the_budget_refuses_ends(make_client):
         assert response.status_code == 503, response.text
         assert "--memory-budget" in response.json()["error"]["message"]
         assert client.app.state.registry.loaded_workers() == []
-
-        def engine_processes():  # multiprocessing's resource tracker stays
-            try:
-                return [p for p in psutil.Process().children()
-                        if "resource_tracker" not in " ".join(p.cmdline())]
-            except psutil.ZombieProcess:  # exited, not yet waited for
-                return [None]
-
-        deadline = time.monotonic() + 10
-        while engine_processes() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine_processes() == []
+        assert no_engine_process_within()
 
 
 async def test_a_child_started_ahead_loads_what_it_is_then_asked(tmp_path):
