@@ -47,12 +47,13 @@ def require_backend(name: str) -> None:
 
 
 def import_backend(name: str) -> None:
-    """Import what building the named engine imports (seconds of torch or MLX, and of
-    transformers for its tokenizer): in an engine's process before it is asked to load."""
+    """Import what building the named engine imports first (seconds of torch or MLX), in an
+    engine's process before it is asked to load. The torch engine imports its tokenizer's
+    library (transformers, seconds more) itself, beside its load; MLX's load imports it."""
     if name == "torch":
         from . import torch_engine  # noqa: F401
-    elif name == "mlx":
-        from . import mlx_engine  # noqa: F401
+        return
+    from . import mlx_engine  # noqa: F401
     from .tokenizer import import_transformers
 
     import_transformers()

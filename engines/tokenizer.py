@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 
@@ -47,6 +48,23 @@ def piece_bytes(piece: str | None, byte_level: bool) -> bytes | None:
 def import_transformers() -> None:
     """Import the modules a ChatTokenizer is built and unpickled with (seconds, ahead of time)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+
+def build_beside(model_dir: str | Path) -> Callable[[], ChatTokenizer]:
+    """Build the model's ChatTokenizer on a thread of its own, beside the caller's load; the
+    call returned waits for it (and raises what building it raised). transformers' imports
+    for AutoTokenizer are most of its time (10 s on a GPU host: its generation code, and
+    scikit-learn where installed), mostly while the load waits on the device or the disk."""
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(ChatTokenizer(model_dir))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=build, name="tokenizer-build", daemon=True).start()
+    return future.result
 
 
 class ChatTokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from ..generation import GenerationEngine, MemoryMeter, warm_up
 from ..quantization import resolve as resolve_quantization
 from ..runtime.plan import RankStatus
 from ..runtime.sizing import KVFacts, RuntimeOptions, RuntimeShape
-from ..tokenizer import ChatTokenizer
+from ..tokenizer import build_beside
 from . import cpu_linear, quant
 from .config import ModelArgs
 from .executor import TorchExecutor
@@ -72,6 +73,13 @@ class TorchEngine(GenerationEngine):
         started = time.perf_counter()
         model_dir = Path(model_dir)
         self.device = choose_device(device)
+        if self.device.startswith("cuda"):
+            # The compile imports these, and transformers may too: here first, so that no
+            # module is ever imported by the two threads from both ends at once (a deadlock
+            # Python raises as an error).
+            for module in ("torch._dynamo", "torch.distributed.tensor"):
+                importlib.import_module(module)
+        tokenizer = build_beside(model_dir)
         if self.device == "mps":
             configure_mps(mps_memory_fraction)
         if compile not in COMPILE_MODES:
@@ -105,7 +113,7 @@ class TorchEngine(GenerationEngine):
             self.model.mirror = self.ranks.mirror
             self.meter = RanksMeter(self._own_meter, self.ranks)
             world = self.ranks.world
-        self.tokenizer = ChatTokenizer(model_dir)
+        self.tokenizer = tokenizer()
         self.info = EngineInfo(
             engine=self.name,
             device=self.device,
