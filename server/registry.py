@@ -139,7 +139,8 @@ class ModelRegistry:
         memory_budget: int | None = None,
     ):
         """engine_process(spec, engine name) says whether that engine runs in a process of its
-        own (engines/runtime/process.py); by default none does. keep_alive: how long an engine
+        own (engines/runtime/process.py), and its likely() guesses so without importing torch
+        (the process then starts first); by default none does. keep_alive: how long an engine
         stays loaded after a request unless the model or the request says otherwise (-1: for
         good); max_loaded: how many engines may be loaded at once (None: no bound), the least
         recently used idle one unloaded to make room; memory_budget: bytes that the weights

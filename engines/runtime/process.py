@@ -7,13 +7,13 @@ interface (load, add, run_job, close, join, runtime) with the engine, its runtim
 its loop in a spawned child, the way vLLM splits its engine core from its API server.
 
 The child may start before it is asked to load (start()): it imports its backend meanwhile
-(seconds of torch or MLX and transformers), while the parent still sizes the memory budget.
+(seconds of torch or MLX), while the parent still decides and sizes the memory budget.
 
 The wire, one pipe each way:
-- parent -> child: ("load", make) first, then ("add", key, prompt_ids, params, arrival), ("stop", key),
-  ("job", key, fn, beside_batch), ("close",). A stop is what the parent sees in a request's
-  should_stop, forwarded when it first says so (looked at every stops_every_s while messages
-  flow, every poll_s when the child is quiet).
+- parent -> child: ("load", make) first, then ("add", key, prompt_ids, params, arrival),
+  ("stop", key), ("job", key, fn, beside_batch), ("close",). A stop is what the parent sees in
+  a request's should_stop, forwarded when it first says so (looked at every stops_every_s while
+  messages flow, every poll_s when the child is quiet).
 - child -> parent: ("loaded", description, RuntimeStatus | None) or ("failed", exc) once, then
   after every step or job one ("events", items, RuntimeStatus | None) with all that happened in
   it, and ("closed",) at the end.
