@@ -11,7 +11,8 @@ from functools import partial
 from typing import Protocol
 
 from engines.base import Engine, EngineError, UnsupportedModel
-from engines.device import cuda_visible
+from engines.device import choose_device, choose_dtype, cuda_visible
+from engines.device import default_memory_budget as device_memory_budget
 from engines.factory import (
     ENGINE_NAMES,
     backend_available,
@@ -90,15 +91,12 @@ class BackendEngineFactory:
         import_backend(name)
 
     def _device(self) -> str:
-        from engines.device import choose_device
-
         return choose_device(self.torch_options.get("device", "auto"))
 
     def estimate(self, name: str, spec: ModelSpec) -> Estimate:
         """The model's weights and KV cache before it loads (files converted first, once)."""
         import json
 
-        from engines.device import choose_dtype
         from engines.memory import kv_bytes_per_token, weights_bytes
         from engines.quantization import resolve as resolve_quantization
 
@@ -119,9 +117,7 @@ class BackendEngineFactory:
         return Estimate(weights_bytes(cfg, dtype, quant, ranks), per_token, spec.context_length)
 
     def default_memory_budget(self) -> int:
-        from engines.device import default_memory_budget
-
-        return default_memory_budget(self._device())
+        return device_memory_budget(self._device())
 
 
 class ModelRegistry:
@@ -236,8 +232,8 @@ class ModelRegistry:
                 self._discard(worker)
                 worker = None
             if worker is None:
-                worker = await self._process_worker(label, name) if process else \
-                    EngineWorker(label, **self._worker_options)
+                worker = (await self._process_worker(label, name) if process
+                          else EngineWorker(label, **self._worker_options))
             await self._make_room(key)
             kv_limit = await self._fit_budget(key, spec)
             # A partial, not a lambda: it is pickled when the engine has its own process.
@@ -416,8 +412,6 @@ class ProcessPolicy:
         self.tensor_parallel_default = tensor_parallel_default
 
     def __call__(self, spec: ModelSpec, engine: str) -> bool:
-        from engines.device import choose_device
-
         return self._decide(spec, engine, lambda: choose_device(self.device))
 
     def likely(self, spec: ModelSpec, engine: str) -> bool:
