@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from .base import (
@@ -86,6 +87,9 @@ class GenerationEngine(PromptSide):
     max_prefill_tokens: int
     prefix_cache: bool  # the server's runtime reuses cached prefixes (where the executor can)
     seq_ids: Iterator[int]
+    # The engine's compiled step, made beside its eager steps after the load: done once it
+    # serves (or failed: the steps stay eager). None where nothing is made beside.
+    compiled: Future | None = None
 
     def start_runtime(self, facts: KVFacts, options: RuntimeOptions) -> RuntimeShape:
         """Size the runtime from the engine's facts by the runtime's rules (runtime/sizing.py),

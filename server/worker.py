@@ -121,6 +121,7 @@ class EngineWorker:
         return {"batch": status.batch, "max_batch": status.max_batch,
                 "step_ms": round(status.step_s * 1000, 3),
                 "engine_step_ms": round(status.execute_s * 1000, 3),
+                "compiling": status.compiling,
                 "kv_cache_used_bytes": status.kv_used_tokens * per_token,
                 "kv_cache_bytes": status.kv_tokens * per_token,
                 "kv_cache_used_tokens": status.kv_used_tokens,

@@ -130,6 +130,8 @@ class RuntimeStatus:
     prefix_cache_tokens: int = 0  # tokens of KV kept in the prefix cache (held or evictable)
     prefix_cached_tokens: int = 0  # prompt tokens taken from it instead of prefilled, in all
     ranks: tuple[RankStatus, ...] = ()  # a tensor-parallel engine's ranks, 0 first
+    # The engine steps eagerly while its compiled step is made (GenerationEngine.compiled).
+    compiling: bool = False
 
     @property
     def kv_tokens(self) -> int:
@@ -151,7 +153,8 @@ class ExecutorTraits:
     answers_late: bool = False
     # launch() queues a step on the device and collect() reads it back later, so the runtime
     # plans and launches step N+1 before it handles step N's tokens: the host's work overlaps
-    # the device's. Its decode rows may carry PENDING.
+    # the device's. Its decode rows may carry PENDING. An executor may turn pipelined once,
+    # between two steps (its compiled step arrived); the runtime follows at its next step.
     pipelined: bool = False
     # The runtime delivers the requests' output (text, stop strings, events) on a thread of its
     # own, beside the next step: for an executor whose step is bound by the host and lets go of

@@ -46,7 +46,7 @@ from ..base import (
     StopCheck,
     TokenLogprobs,
 )
-from ..generation import PromptSide
+from ..generation import GenerationEngine, PromptSide
 from ..tokenizer import import_transformers
 from .loop import EngineLoop
 from .plan import RuntimeStatus
@@ -196,6 +196,11 @@ class _Child:
         if items:
             self._send(("events", items, self.loop.status()))
 
+    def send_status(self) -> None:
+        """The runtime's status on its own, when it changes between steps (the engine's compiled
+        step arrived while nothing ran)."""
+        self._send(("events", [], self.loop.status()))
+
     def _send(self, msg: tuple) -> None:
         try:
             with self._send_lock:
@@ -238,6 +243,8 @@ def serve(commands, events, name: str, log_level: int,
         return
     child.engine = engine
     child._send(("loaded", description, child.loop.status()))
+    if isinstance(engine, GenerationEngine) and engine.compiled is not None:
+        engine.compiled.add_done_callback(lambda _: child.send_status())
     child.serve(commands)
 
 

@@ -108,7 +108,8 @@ class Runtime:
                              self.scheduler.max_batch, pool.num_blocks, pool.block_size,
                              pool.bytes_per_token,
                              pool.cached_blocks * pool.block_size + self._kept,
-                             self.scheduler.cached_tokens, self.engine.rank_status())
+                             self.scheduler.cached_tokens, self.engine.rank_status(),
+                             self.engine.compiled is not None and not self.engine.compiled.done())
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or
@@ -183,6 +184,10 @@ class Runtime:
 
         Pipelined, the step is launched before the last one is read back: the host handles
         the last step's tokens (detokenizing, stops, events) while the device runs this one."""
+        if not self.pipelined and self.executor.traits.pipelined:
+            # The executor's compiled step arrived (captured beside the eager steps): nothing
+            # is in flight between two steps of an unpipelined runtime, so it turns here.
+            self.pipelined = self.scheduler.pipelined = True
         self._stop_requested()
         self._take_prepared()
         self._score_piece()

@@ -12,11 +12,14 @@ compiled step and its tuned kernels are cached across starts (configure_inductor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -106,18 +109,28 @@ class CudaGraphs:
         overwrites."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             for _ in range(3):
                 step()
+            # Thread-local: the eager steps another thread launches meanwhile (on streams of
+            # their own, GraphDecoder.warm_up_beside) are no part of the capture, and their
+            # calls do not break it.
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = step()
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = step()
         self._pool = graph.pool()
         return graph.replay, out
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+
+class CaptureAbandoned(RuntimeError):
+    """The decoder was closed while its graphs were being captured beside eager steps."""
 
 
 class GraphDecoder:
@@ -159,6 +172,14 @@ class GraphDecoder:
         # Triton's kernels need the GPU (the CPU stands in for it only in tests).
         self.kernels = kernels and device.startswith("cuda") and decode_attention.available()
         model.use_kernels(attention=self.kernels, activation=self.kernels, rows=max_batch)
+        # The kernel's merge counters for the graphs' rows, apart from those of the eager steps
+        # that may run while the graphs are captured (warm_up_beside).
+        attn = model.model.layers[0].self_attn
+        self.counters = (torch.zeros(max_batch * attn.n_kv, dtype=torch.int32, device=device)
+                         if self.kernels else None)
+        # Set by warm_up_beside: done once every graph is captured (or with why none will be).
+        self.capturing: Future | None = None
+        self._abandoned = threading.Event()
         self.compiled = backend is not None
         # The executor's, compiled when the step is.
         self.sampler = GraphSampler(backend, self.graphs, max_batch, model.args.vocab_size,
@@ -182,6 +203,7 @@ class GraphDecoder:
             tokens=tokens[:, None], positions=x[:, POSITION : POSITION + 1],
             write_slots=x[:, WRITE], last=last, table=x[:, TABLE:], kv_len=kv_len,
             page=self.page, trash=self.kv.trash, window=self.model.args.sliding_window,
+            counters=self.counters,
         )
         split = self.model.vocab_split
         if split is not None:  # tensor parallel: every rank projects its share
@@ -245,8 +267,10 @@ class GraphDecoder:
         for b in self.batches:
             for kv_len in self.lengths:
                 if (b, kv_len) not in self._graphs:
+                    self._check_abandoned()
                     self._capture(b, kv_len)
         if self.sampler is not None:
+            self._check_abandoned()
             self.sampler.warm_up()
             self.scorer.warm_up()
         self.graphs.synchronize()
@@ -256,6 +280,44 @@ class GraphDecoder:
             "Triton kernel" if self.kernels else "PyTorch-op",
             compile_summary() if self.compiled else "eager ops", time.perf_counter() - started,
         )
+
+    def warm_up_beside(self) -> Future:
+        """warm_up() on a thread of its own, while the engine serves with eager steps: the
+        compile and the captures were most of a warm start (18 of 32 s, 1B shape, H100). The
+        executor takes the graphs at the first step after they are all captured
+        (TorchExecutor). The future (also self.capturing) is done then, or holds why they
+        never will be: the engine then decodes eagerly on."""
+        self.capturing = future = Future()
+        cuda = self.device.startswith("cuda")
+
+        def capture() -> None:
+            try:
+                # A stream of the thread's own: the eager steps' stream never waits on the
+                # captures' warm-up runs.
+                with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
+                    self.warm_up()
+            except BaseException as exc:  # noqa: BLE001  the engine goes on eagerly
+                if not isinstance(exc, CaptureAbandoned):
+                    log.warning("the decode graphs could not be captured; decoding stays eager",
+                                exc_info=True)
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        threading.Thread(target=capture, name="duet-capture", daemon=True).start()
+        return future
+
+    def abandon(self) -> None:
+        """Stop a capture under way (between two graphs) and wait for its thread: the engine
+        is closing, and its memory must be free when this returns."""
+        self._abandoned.set()
+        if self.capturing is not None:
+            with contextlib.suppress(BaseException):
+                self.capturing.result()
+
+    def _check_abandoned(self) -> None:
+        if self._abandoned.is_set():
+            raise CaptureAbandoned("the engine closed while its decode graphs were captured")
 
 
 SAMPLER_GRAPH_ROWS = 64

@@ -74,11 +74,10 @@ class TorchEngine(GenerationEngine):
         model_dir = Path(model_dir)
         self.device = choose_device(device)
         if self.device.startswith("cuda"):
-            # The compile imports these, and transformers may too: here first, so that no
+            # Here first (a no-op after the engine process's import_compiler), so that no
             # module is ever imported by the two threads from both ends at once (a deadlock
             # Python raises as an error).
-            for module in ("torch._dynamo", "torch.distributed.tensor"):
-                importlib.import_module(module)
+            import_compiler()
         tokenizer = build_beside(model_dir)
         if self.device == "mps":
             configure_mps(mps_memory_fraction)
@@ -105,7 +104,12 @@ class TorchEngine(GenerationEngine):
             RuntimeOptions(kv_cache_memory, kv_cache_limit, max_batch, max_prefill_tokens,
                            prefix_cache))
         use_peer_sums(self.model, self.device, shape.max_batch, shape.max_prefill_tokens)
-        self.decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch)
+        # One GPU: its graphs are captured beside the eager steps it serves meanwhile, from the
+        # end of the load. A tensor-parallel group's ranks capture theirs now, in step.
+        beside = self.ranks is None
+        decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch,
+                               capture=not beside)
+        self.decoder = None if beside else decoder
         self.meter = self._own_meter = memory_meter(self.device)  # own: this rank's
         world = 1
         if self.ranks is not None:
@@ -126,14 +130,18 @@ class TorchEngine(GenerationEngine):
             memory_measure=self.meter.measures,
             # Ranks on the CPU share its memory: one device, whatever the ranks.
             devices=world if self.device.startswith("cuda") else 1,
-            extra={"cuda_graphs": str(self.decoder is not None).lower(),
+            extra={"cuda_graphs": str(decoder is not None).lower(),
                    "tensor_parallel": str(world), **shape.info()},
         )
-        log.info(
-            "torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
-            model_dir, self.device, self.dtype, time.perf_counter() - started,
-            shape.describe(), warm_up(self),
-        )
+        loaded = time.perf_counter() - started
+        # Eager, before the capture starts: alone, it takes a fraction of its time beside it
+        # (5 s on an H100 host, where the two threads share the interpreter).
+        warmed = warm_up(self)
+        if beside and decoder is not None:
+            self.compiled = decoder.warm_up_beside()
+            self.decoder = decoder
+        log.info("torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
+                 model_dir, self.device, self.dtype, loaded, shape.describe(), warmed)
 
     def _start_ranks(self, model_dir: Path, args: ModelArgs, compile: str, world: int) -> Shard:
         """Start the other ranks of a tensor-parallel group (ranks.py); this engine is rank 0."""
@@ -193,12 +201,21 @@ class TorchEngine(GenerationEngine):
                                        should_stop)
 
     def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.abandon()  # its thread holds the model and the pool till it ends
         self.model = None
         self.kv = None
         self.decoder = None
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None
+
+
+def import_compiler() -> None:
+    """Import what the compile of a CUDA load imports, and transformers may too (5 s on an H100
+    host): in the engine's process while the server decides, or first thing in the load."""
+    for module in ("torch._dynamo", "torch.distributed.tensor"):
+        importlib.import_module(module)
 
 
 class RanksMeter(MemoryMeter):
@@ -256,10 +273,12 @@ def onednn_linears(device: str, compile: str, dtype: torch.dtype) -> bool:
 
 
 def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int,
-                 head: bool = True):
+                 head: bool = True, capture: bool = True):
     """On CUDA the decode step is replayed as CUDA graphs: compiled by Inductor (compile auto
-    or on), or of eager ops (off, or DUET_CUDA_GRAPHS=eager). None (eager decode) elsewhere:
-    MPS and the CPU have no graph replay, and eager decode is their fast path."""
+    or on), or of eager ops (off, or DUET_CUDA_GRAPHS=eager), captured now, or (capture
+    False) when the caller says, on a thread while the engine serves eagerly
+    (GraphDecoder.warm_up_beside). None (eager decode) elsewhere: MPS and the CPU have no
+    graph replay, and eager decode is their fast path."""
     if not device.startswith("cuda"):
         if compile == "on":
             log.warning("--compile on: %s decodes eagerly; CUDA graphs are for CUDA", device)
@@ -271,5 +290,6 @@ def make_decoder(model, kv: PagedKV, device: str, compile: str, max_batch: int,
     eager = compile == "off" or os.environ.get("DUET_CUDA_GRAPHS") == "eager"
     decoder = GraphDecoder(model, kv, device, max_batch, backend=None if eager else "inductor",
                            head=head)
-    decoder.warm_up()
+    if capture:
+        decoder.warm_up()
     return decoder

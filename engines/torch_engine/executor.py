@@ -52,12 +52,6 @@ class TorchExecutor:
         # Under tensor parallelism (ranks.py): the other ranks, told each step before it runs.
         self.ranks = ranks
         self.window = model.args.sliding_window
-        self.decoder = decoder  # CUDA graphs for decode rows (cuda_graphs.GraphDecoder)
-        # With graphs the step is pipelined: launched before the last one is read back, its
-        # decode rows' PENDING tokens taken on the device from the last step's picks.
-        self.pipelined = decoder is not None
-        self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True,
-                                     processes_in_flight=True, reuses_kv_blocks=True)
         self.on_logits = None  # f(rows, logits): a check's look at what each row was scored
         self._last: tuple[torch.Tensor, dict[int, int]] | None = None  # picks, seq id -> index
         self._last_read = None  # the same picks on their way to the host (ReadBack.start)
@@ -65,6 +59,25 @@ class TorchExecutor:
         self._told = False  # this step's plan went to the other ranks (tensor parallelism)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
+        # A decoder whose graphs are still being captured beside the steps: taken at the first
+        # launch after they all are (cuda_graphs.GraphDecoder.warm_up_beside); eager till then.
+        self._coming = None
+        if decoder is not None and decoder.capturing is not None:
+            if not decoder.capturing.done():
+                self._coming, decoder = decoder, None
+            elif decoder.capturing.exception() is not None:
+                decoder = None
+        self._use(decoder)
+
+    def _use(self, decoder) -> None:
+        """Decode through decoder's CUDA graphs (None: eagerly). With graphs the step is
+        pipelined: launched before the last one is read back, its decode rows' PENDING tokens
+        taken on the device from the last step's picks. The runtime turns pipelined at its next
+        step when the executor does (Runtime.step)."""
+        self.decoder = decoder
+        self.pipelined = decoder is not None
+        self.traits = ExecutorTraits(pipelined=self.pipelined, scores_prompts=True,
+                                     processes_in_flight=True, reuses_kv_blocks=True)
         graphed = decoder is not None and decoder.head
         self._sampler = decoder.sampler if graphed else Sampler()
         self._scorer = decoder.scorer if graphed else scores_table
@@ -80,6 +93,11 @@ class TorchExecutor:
             raise self.ranks.failed(exc, self._told) from exc
 
     def _launch(self, plan: StepPlan):
+        if self._coming is not None and self._coming.capturing.done():
+            # Between two steps of a runtime not yet pipelined: nothing is in flight.
+            coming, self._coming = self._coming, None
+            if coming.capturing.exception() is None:
+                self._use(coming)
         self._settle()  # the last step's picks, which this step's PENDING rows read
         self._processor.release(plan.released)
         if self.ranks is not None:

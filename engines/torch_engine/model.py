@@ -125,7 +125,8 @@ class Attention(nn.Module):
         b = qkv.shape[0]
         return torch.ops.duet.paged_decode_attention(
             qkv.view(b, -1), cos.reshape(b, -1), sin.reshape(b, -1), k_pool, v_pool,
-            batch.table, batch.positions[:, 0], batch.write_slots, self.counters, batch.kv_len,
+            batch.table, batch.positions[:, 0], batch.write_slots,
+            self.counters if batch.counters is None else batch.counters, batch.kv_len,
             batch.page, self.window)
 
     def _paged_attention(self, q, k, v, batch, pool):

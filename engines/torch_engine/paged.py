@@ -68,6 +68,10 @@ class PagedBatch:
     page: int
     trash: int
     window: int | None
+    # The decode kernel's merge counters for these rows, where the step brings its own: the
+    # graphs captured while eager steps run (cuda_graphs.GraphDecoder.warm_up_beside) must not
+    # share the layers' with them. None: the layers'.
+    counters: torch.Tensor | None = None
 
     def attend(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(read_slots [B, kv_len] or None, mask [B, 1, T, kv_len] or None for plain causal)."""

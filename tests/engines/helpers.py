@@ -1,6 +1,8 @@
 """What the engine tests of batched generation share: prompts, an engine of either kind on a
 tiny checkpoint, and a runtime driven over a batch whose requests arrive at given steps."""
 
+import threading
+
 import pytest
 
 from engines.base import RequestStats, Step
@@ -30,6 +32,19 @@ class ReplayedGraphs:
 
     def synchronize(self):
         pass
+
+
+class GatedGraphs(ReplayedGraphs):
+    """ReplayedGraphs whose captures wait until the gate opens: graphs captured beside the
+    steps (GraphDecoder.warm_up_beside) arrive when a test says."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def capture(self, step):
+        assert self.gate.wait(60), "the gate never opened"
+        return super().capture(step)
 
 
 def make_engine(kind, path):

@@ -3,6 +3,8 @@ input buffer (tokens, positions, write slots, block tables, padding rows into th
 a stand-in for CUDA graphs that re-runs the captured step into its captured outputs. Through it,
 a batch whose rows join and leave gives each row its solo tokens."""
 
+import threading
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from engines.base import SamplingParams
 from engines.runtime.plan import PENDING
 from engines.runtime.runtime import Runtime
 from engines.torch_engine import TorchEngine, cuda_graphs
-from tests.engines.helpers import ReplayedGraphs, run_together
+from tests.engines.helpers import GatedGraphs, ReplayedGraphs, run_together
 from tests.engines.test_batching import GREEDY, PROMPTS, alone, three_in_a_nine_block_pool
 
 
@@ -92,6 +94,105 @@ def graph_engine(tiny_dirs, family="llama", max_batch=3, **options):
     engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=max_batch,
                                               graphs=ReplayedGraphs())
     return engine
+
+
+def test_graphs_captured_beside_eager_steps_take_over_between_two_steps(tiny_dirs, monkeypatch):
+    """The engine serves with eager steps while its graphs are captured on another thread; once
+    they all are, the executor decodes through them and the runtime turns pipelined, between
+    two steps of running requests, which still get exactly their solo tokens."""
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    solo = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    graphs = GatedGraphs()
+    engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                              graphs=graphs)
+    engine.compiled = engine.decoder.warm_up_beside()
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    assert not runtime.pipelined and runtime.status().compiling
+    decoded = []  # per step: how many rows the graphs decoded, and the runtime pipelined
+    run = engine.decoder.run
+    engine.decoder.run = lambda rows, last=None: (decoded.append(len(rows)), run(rows, last))[1]
+    modes = []
+
+    def after_step():
+        modes.append((runtime.pipelined, len(decoded)))
+        if len(modes) == 4:  # mid-way: the graphs arrive
+            graphs.gate.set()
+            engine.compiled.result(timeout=60)
+            assert not runtime.status().compiling
+
+    got, stats = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9],
+                              after_step=after_step)
+    assert got == solo
+    assert [s.completion_tokens for s in stats] == [g.max_tokens for g in GREEDY]
+    assert modes[:4] == [(False, 0)] * 4  # eager: the graphs decoded nothing
+    assert modes[4] == (False, 1)  # the executor took the graphs at the next launch
+    assert all(pipelined for pipelined, _ in modes[5:]) and modes[-1][1] > 5
+    # Every graph was captured beside, none on demand since.
+    assert len(engine.decoder._graphs) == 3 * 4
+    assert engine.kv_pool.used_blocks == 0
+
+
+def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
+    """A one-device load runs its warm-up generation eagerly, then starts the capture and
+    returns: the engine serves while it goes on, says it is compiling, and decodes through the
+    graphs once they are all captured."""
+    from engines.torch_engine import engine as engine_module
+
+    graphs = GatedGraphs()
+    made = []
+
+    def make_decoder(model, kv, device, compile, max_batch, head=True, capture=True):
+        made.append(capture)
+        return cuda_graphs.GraphDecoder(model, kv, device, max_batch, graphs=graphs)
+
+    monkeypatch.setattr(engine_module, "make_decoder", make_decoder)
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
+                         device="cpu", max_batch=4)
+    assert made == [False] and graphs.captured == []  # the warm-up ran without graphs
+    assert not engine.compiled.done() and engine.decoder.capturing is engine.compiled
+    decoded = []
+    run = engine.decoder.run
+    engine.decoder.run = lambda rows, last=None: (decoded.append(len(rows)), run(rows, last))[1]
+    eager = alone(engine, PROMPTS[0], GREEDY[0])
+    assert decoded == []
+    graphs.gate.set()
+    engine.compiled.result(timeout=60)
+    assert alone(engine, PROMPTS[0], GREEDY[0]) == eager and decoded
+    engine.close()
+
+
+def test_a_closing_engine_abandons_its_capture_and_waits_for_it(tiny_dirs):
+    """close() stops the capture between two graphs and returns once its thread has let go of
+    the model and the pool; the engine never took graphs, and a capture that fails leaves the
+    steps eager."""
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    graphs = GatedGraphs()
+    engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                              graphs=graphs)
+    decoder = engine.decoder
+    engine.compiled = decoder.warm_up_beside()
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    assert decoder._abandoned.wait(10)
+    assert closer.is_alive()  # waiting for the capture under way
+    graphs.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    with pytest.raises(cuda_graphs.CaptureAbandoned):
+        engine.compiled.result(timeout=0)
+    assert len(graphs.captured) == 1  # the one under way, then no more
+
+    failing = graph_engine(tiny_dirs)
+    failing.decoder._fn = lambda *a: (_ for _ in ()).throw(RuntimeError("no room"))
+    failing.compiled = failing.decoder.warm_up_beside()
+    with pytest.raises(RuntimeError, match="no room"):
+        failing.compiled.result(timeout=30)
+    runtime = Runtime(failing, max_batch=3, max_prefill_tokens=64)
+    got, _ = run_together(runtime, [(PROMPTS[0], GREEDY[0])])
+    assert not runtime.pipelined and failing.decoder.graphs.captured == []
+    assert got[0] == alone(failing, PROMPTS[0], GREEDY[0])
 
 
 def test_pipelined_steps_feed_the_last_pick_from_the_device(tiny_dirs, monkeypatch):

@@ -11,6 +11,7 @@ import pickle
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
@@ -163,6 +164,39 @@ async def test_the_batch_and_kv_use_show_while_requests_run():
         rss = worker.runtime_status()["process_rss_bytes"]
         assert abs(rss - psutil.Process(child).memory_info().rss) < 0.1 * rss
         await asyncio.gather(*tasks)
+    finally:
+        await worker.aclose(10)
+
+
+class CompilesBeside(EchoEngine):
+    """Serves at once; its compiled step arrives beside, once the gate file exists."""
+
+    def __init__(self, *args, gate: str, **kw):
+        super().__init__(*args, **kw)
+        self.compiled = Future()
+
+        def arrive():
+            while not Path(gate).exists():
+                time.sleep(0.01)
+            self.compiled.set_result(None)
+
+        threading.Thread(target=arrive, daemon=True).start()
+
+
+@pytest.mark.parametrize("process", [False, True])
+async def test_the_status_shows_an_engine_compiling_until_its_compiled_step_arrives(
+        process, tmp_path):
+    """It answers meanwhile; the status turns with no request running (an engine process sends
+    it then, unasked)."""
+    gate = tmp_path / "gate"
+    worker = EngineWorker("w", process=process)
+    await worker.load(partial(CompilesBeside, "fake", max_batch=4, gate=str(gate)))
+    try:
+        assert worker.runtime_status()["compiling"]
+        assert (await run(worker, "abc"))[0] == "cba"
+        assert worker.runtime_status()["compiling"]
+        gate.touch()
+        assert await until(lambda: not worker.runtime_status()["compiling"])
     finally:
         await worker.aclose(10)
 

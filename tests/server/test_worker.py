@@ -223,7 +223,7 @@ async def test_runtime_status_reports_the_batch_and_the_pool_as_they_are():
             "batch": 2, "max_batch": 3, "step_ms": 1.234, "engine_step_ms": 0.457,
             "kv_cache_used_bytes": 2 * 16 * 8, "kv_cache_bytes": 64 * 8,
             "kv_cache_used_tokens": 32, "kv_cache_tokens": 64,
-            "prefix_cache_tokens": 16, "prefix_cache_hit_tokens": 48,
+            "prefix_cache_tokens": 16, "prefix_cache_hit_tokens": 48, "compiling": False,
         }
         engine.kv_pool.release(blocks)
         status = worker.runtime_status()
