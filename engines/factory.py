@@ -47,15 +47,18 @@ def require_backend(name: str) -> None:
 
 
 def import_backend(name: str) -> None:
-    """Import what building the named engine imports first (seconds of torch or MLX), in an
-    engine's process before it is asked to load. The torch engine imports its tokenizer's
-    library (transformers, seconds more) itself, beside its load; MLX's load imports it."""
-    if name == "torch":
-        from . import torch_engine  # noqa: F401
-        return
-    from . import mlx_engine  # noqa: F401
+    """Import what building the named engine imports (seconds of torch and its compiler or of
+    MLX, then of the tokenizer's library), in an engine's process before it is asked to load.
+    In that order, one after the other: transformers imports torch's compiler too, and two
+    threads importing one module from both ends is a deadlock Python raises as an error."""
     from .tokenizer import import_transformers
 
+    if name == "torch":
+        from .torch_engine.engine import import_compiler
+
+        import_compiler()  # an engine process is for a GPU, where the load compiles
+    else:
+        from . import mlx_engine  # noqa: F401
     import_transformers()
 
 

@@ -31,3 +31,18 @@ def test_a_tokenizer_that_cannot_be_built_fails_where_it_is_waited_for(tmp_path)
     wait = build_beside(tmp_path / "missing")  # no error yet: the caller's load goes on
     with pytest.raises(OSError):  # transformers' own error for a directory without files
         wait()
+
+
+def test_an_engine_process_imports_the_compiler_and_the_tokenizer_library_before_its_load():
+    """The torch backend's imports (factory.import_backend, run in an engine's process while
+    the server decides) leave its load only the model's own: a fresh interpreter has torch's
+    compiler and transformers' tokenizer classes after it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from engines.factory import import_backend; import_backend('torch'); "
+             "print(all(m in sys.modules for m in ('torch._dynamo', 'torch.distributed.tensor', "
+             "'transformers.models.auto.tokenization_auto')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "True"
