@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Cold and warm starts: seconds from `duet serve` to a /health that answers 200.
+"""Cold and warm starts: seconds from `duet serve` to a /health that answers 200, and to one
+that shows no engine compiling (the server answers eagerly while its compiled step is made;
+--stream measures a stream through that time).
 
 Every start gets the same --cache-dir (a new empty one unless given): duet's converted models
 and compiled-step cache, Inductor's and Triton's caches all live under it. The first start is
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +45,73 @@ def cache_env(cache: Path) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "DUET_CACHE_DIR": str(cache / "duet"),
             "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
             "TRITON_CACHE_DIR": str(cache / "triton")}
+
+
+class StreamWatch:
+    """Streams completions, one after another, from the moment the server is ready, and keeps
+    each chunk's time: the server answers eagerly while its compiled step is made, and a
+    stream must go on through the switch without a stall."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self.times: list[list[float]] = []  # per request, each chunk's perf_counter
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        body = {"model": self.model, "prompt": "w5 w6 w7 w8", "max_tokens": 256,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.Client(timeout=60) as client:
+                while not self._stop.is_set():
+                    times: list[float] = []
+                    self.times.append(times)
+                    with client.stream("POST", self.url + "/v1/completions", json=body) as r:
+                        r.raise_for_status()
+                        for line in r.iter_lines():
+                            if line.startswith("data: {"):
+                                times.append(time.perf_counter())
+                            if self._stop.is_set():
+                                break
+        except Exception as exc:  # noqa: BLE001  reported in the row
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def summary(self, started: float, compiled: float) -> dict:
+        """Tokens a second before and after the compiled step arrived, and the longest gap
+        between two chunks of one stream before, and across the switch (within 1 s of it)."""
+        def rate(lo: float, hi: float) -> float | None:
+            n = sum(lo <= t < hi for ts in self.times for t in ts)
+            return round(n / (hi - lo), 1) if hi > lo and n else None
+
+        def gap(lo: float, hi: float) -> float | None:
+            gaps = [b - a for ts in self.times for a, b in itertools.pairwise(ts) if lo <= b < hi]
+            return round(max(gaps) * 1000, 1) if gaps else None
+
+        first = min((ts[0] for ts in self.times if ts), default=None)
+        last = max((ts[-1] for ts in self.times if ts), default=None)
+        if first is None:
+            return {"stream_error": self.error or "no tokens"}
+        return {"stream_tok_s_compiling": rate(first, compiled),
+                "stream_tok_s_after": rate(compiled, last),
+                "stream_max_gap_ms_compiling": gap(first, compiled),
+                "stream_max_gap_ms_switch": gap(compiled - 1, compiled + 1),
+                **({"stream_error": self.error} if self.error else {})}
+
+
+def compiling(url: str) -> bool:
+    """Whether an engine still makes its compiled step (a server without the field: no)."""
+    import httpx
+
+    engines = httpx.get(url + "/health", timeout=2).json().get("engines", [])
+    return any(e.get("compiling") for e in engines)
 
 
 def one_start(args, cache: Path, log_path: Path) -> dict:
@@ -66,13 +137,26 @@ def one_start(args, cache: Path, log_path: Path) -> dict:
                     pass
                 time.sleep(0.25)
             ready = time.perf_counter() - started
+            url = f"http://127.0.0.1:{args.port}"
+            watch = StreamWatch(url, args.model) if args.stream else None
+            while compiling(url):
+                if time.perf_counter() - started > args.start_timeout:
+                    raise SystemExit(f"still compiling after {args.start_timeout} s: "
+                                     f"see {log_path}")
+                time.sleep(0.1)
+            compiled = time.perf_counter()
+            if watch is not None:
+                time.sleep(2)  # the stream after the switch
+                watch.stop()
         finally:
             proc.terminate()
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    row = {"ready_s": round(ready, 1)}
+    row = {"ready_s": round(ready, 1), "compiled_s": round(compiled - started, 1)}
+    if watch is not None:
+        row.update(watch.summary(started, compiled))
     for line in log_path.read_text().splitlines():
         for name, pattern in TIMINGS.items():
             if m := pattern.search(line):
@@ -134,6 +218,9 @@ def main() -> int:
     p.add_argument("--profile", choices=["phases", "cprofile"],
                    help="engine loads in-process (a dummy model): the phases Dynamo logs, and "
                         "with cprofile where the time went")
+    p.add_argument("--stream", action="store_true",
+                   help="stream completions from the moment /health answers until 2 s after "
+                        "the compiled step arrived: the tokens a second and the longest gap")
     p.add_argument("--out", type=Path)
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
@@ -150,10 +237,12 @@ def main() -> int:
     if args.cache_dir is None:
         shutil.rmtree(cache, ignore_errors=True)
 
-    print(f"\n{'start':>5} {'kind':>5} {'ready s':>8} {'load s':>7} {'graphs s':>9}  compiled step")
+    print(f"\n{'start':>5} {'kind':>5} {'ready s':>8} {'compiled s':>10} {'load s':>7} "
+          f"{'graphs s':>9}  compiled step")
     for r in rows:
-        print(f"{r['start']:>5} {r['kind']:>5} {r['ready_s']:>8} {r.get('load_s', '-'):>7} "
-              f"{r.get('graphs_s', '-'):>9}  {r.get('compile_cache', '-')}")
+        print(f"{r['start']:>5} {r['kind']:>5} {r['ready_s']:>8} {r.get('compiled_s', '-'):>10} "
+              f"{r.get('load_s', '-'):>7} {r.get('graphs_s', '-'):>9}  "
+              f"{r.get('compile_cache', '-')}")
     if args.out:
         import torch
 
