@@ -124,7 +124,10 @@ def start_server(args, *, prefix_cache: bool = False,
         if proc.poll() is not None:
             raise SystemExit(f"the server exited: see {args.server_log}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            health = httpx.get(url + "/health", timeout=2)
+            # Measured once the compiled step serves: until then the engine steps eagerly.
+            if health.status_code == 200 and not any(
+                    e.get("compiling") for e in health.json().get("engines", [])):
                 return proc, url
         except httpx.HTTPError:
             pass
