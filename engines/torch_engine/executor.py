@@ -112,7 +112,7 @@ class TorchExecutor:
                 if rows is plan.decode and self.decoder is not None:
                     out, picks = self.decoder.run(rows, self._last)
                 else:
-                    out = self._forward(rows, prompt_scores)
+                    out = self._forward(rows, prompt_scores, decode=rows is plan.decode)
                     picks = None
                 keep = [i for i, r in enumerate(rows) if r.sample]
                 if keep:
@@ -201,10 +201,13 @@ class TorchExecutor:
         scored = handle.scored.read() if handle.scored is not None else {}
         return StepOutput(tokens, scored, handle.prompt_scores)
 
-    def _forward(self, rows: Sequence[ScheduledSeq], prompt_scores: dict) -> torch.Tensor:
+    def _forward(self, rows: Sequence[ScheduledSeq], prompt_scores: dict,
+                 decode: bool = False) -> torch.Tensor:
         """The rows' last positions' logits; a scored prompt chunk's positions are scored into
         prompt_scores (seq id -> (first position scored, scores))."""
         batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
+        if decode and self._coming is not None:
+            batch = self._coming.bucketed(batch)
         with prefill_attention(self.device):
             if not any(r.score_next for r in rows):
                 return self.model.forward_paged(batch, self.kv)

@@ -113,6 +113,15 @@ def test_graphs_captured_beside_eager_steps_take_over_between_two_steps(tiny_dir
     run = engine.decoder.run
     engine.decoder.run = lambda rows, last=None: (decoded.append(len(rows)), run(rows, last))[1]
     modes = []
+    eager = []  # the eager decode steps' attention lengths and block-table widths
+    forward = engine.model.forward_paged
+
+    def forward_paged(batch, kv):
+        if batch.tokens.shape[1] == 1 and batch.table is not None:
+            eager.append((batch.kv_len, batch.table.shape[1]))
+        return forward(batch, kv)
+
+    engine.model.forward_paged = forward_paged
 
     def after_step():
         modes.append((runtime.pipelined, len(decoded)))
@@ -126,6 +135,8 @@ def test_graphs_captured_beside_eager_steps_take_over_between_two_steps(tiny_dir
     assert got == solo
     assert [s.completion_tokens for s in stats] == [g.max_tokens for g in GREEDY]
     assert modes[:4] == [(False, 0)] * 4  # eager: the graphs decoded nothing
+    # Shaped as the graphs' batches: an attention bucket, that many pages of table.
+    assert eager and all(n in engine.decoder.lengths and w == n // 16 for n, w in eager)
     assert modes[4] == (False, 1)  # the executor took the graphs at the next launch
     assert all(pipelined for pipelined, _ in modes[5:]) and modes[-1][1] > 5
     # Every graph was captured beside, none on demand since.
