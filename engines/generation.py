@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from .base import (
@@ -90,6 +90,12 @@ class GenerationEngine(PromptSide):
     # The engine's compiled step, made beside its eager steps after the load: done once it
     # serves (or failed: the steps stay eager). None where nothing is made beside.
     compiled: Future | None = None
+
+    def wait_compiled(self) -> None:
+        """Wait until the compiled step made beside serves (or failed: the steps stay eager),
+        for a measure of the engine's steady state."""
+        if self.compiled is not None:
+            wait([self.compiled])
 
     def start_runtime(self, facts: KVFacts, options: RuntimeOptions) -> RuntimeShape:
         """Size the runtime from the engine's facts by the runtime's rules (runtime/sizing.py),

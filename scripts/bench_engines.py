@@ -80,6 +80,7 @@ def gpu_check(path: Path, dtype: str, context: int, steps: int = 64) -> dict:
     runs = {}
     for mode in ("auto", "off"):
         engine = TorchEngine(path, context_length=context, dtype=dtype, compile=mode)
+        engine.wait_compiled()
         runs[mode] = [e.token_id for e in engine.generate(prompt, params)
                       if isinstance(e, Step) and e.finish_reason is None]
         engine = None

@@ -180,7 +180,7 @@ started, wall = time.perf_counter(), time.time()
 prof = cProfile.Profile() if sys.argv[2] == "cprofile" else None
 if prof:
     prof.enable()
-TorchEngine(d, context_length=2048)
+TorchEngine(d, context_length=2048).wait_compiled()
 print(f"engine ready in {time.perf_counter() - started:.1f} s")
 if prof:
     prof.disable()

@@ -35,6 +35,7 @@ def decode(path: Path, ranks: int, prompts: list[list[int]], tokens: int, compil
 
     engine = TorchEngine(path, context_length=512, dtype="bfloat16", compile=compile,
                          max_batch=len(prompts), tensor_parallel=ranks)
+    engine.wait_compiled()  # one GPU: compared through the compiled step
     runtime = Runtime(engine, max_batch=len(prompts))
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=5)
     out: list[list[tuple[int, dict[int, float]]]] = [[] for _ in prompts]

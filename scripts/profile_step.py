@@ -125,6 +125,7 @@ def main() -> int:
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
                          compile=args.compile, max_batch=max(batches),
                          tensor_parallel=args.tensor_parallel)
+    engine.wait_compiled()
     print(f"load {time.perf_counter() - started:.1f} s", flush=True)
     for feature in args.feature.split(","):
         params = feature_params(feature, args.context - args.prompt_tokens - 1)

@@ -49,6 +49,7 @@ class DuetTorch:
         self.engine = TorchEngine(model_dir, context_length=context, dtype=dtype,
                                   device=self.device, compile=self.compile,
                                   quantize=self.quantize)
+        self.engine.wait_compiled()  # the steady state is measured, not the eager start
 
     def run(self, prompt: list[int], new_tokens: int) -> Measurement:
         stats = engine_run(self.engine, prompt, new_tokens)

@@ -169,7 +169,8 @@ def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
     eager = alone(engine, PROMPTS[0], GREEDY[0])
     assert decoded == []
     graphs.gate.set()
-    engine.compiled.result(timeout=60)
+    engine.wait_compiled()
+    assert engine.compiled.done() and engine.compiled.exception() is None
     assert alone(engine, PROMPTS[0], GREEDY[0]) == eager and decoded
     engine.close()
 
