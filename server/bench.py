@@ -134,6 +134,8 @@ class BenchRun:
         try:
             async with self.lock:  # one bench at a time: two would time each other
                 yield self._start_event()
+                async for event in self._until_compiled():
+                    yield event
                 if self.req.clients:
                     async for event in self._load_events(started):
                         yield event
@@ -165,6 +167,20 @@ class BenchRun:
         finally:
             self.gone.set()  # stops a run still going on an engine thread
             self._unload_references()
+
+    async def _until_compiled(self) -> AsyncIterator[dict]:
+        """Engines still making their compiled step are waited for, each named in an event
+        once: their eager steps until then are not what the bench compares."""
+        for name, target in self.targets.items():
+            said = False
+            while target.kind == "engine" and not self.gone.is_set():
+                status = target.worker.runtime_status()
+                if status is None or not status["compiling"]:
+                    break
+                if not said:
+                    said = True
+                    yield {"type": "compiling", "target": name}
+                await asyncio.sleep(0.1)
 
     async def _load_events(self, started: float) -> AsyncIterator[dict]:
         """The load mode: each engine in turn, each level of clients in turn, every client a

@@ -167,6 +167,8 @@ function handle(ev) {
       setStatus(`Running ${ev.model}: ${ev.prompts.length} prompts × ${ev.repeats} repeats, ` +
                 `${ev.max_tokens} tokens each…`);
     }
+  } else if (ev.type === "compiling") {
+    setStatus(`Waiting for ${ev.target} to finish compiling its decode step (not measured)…`);
   } else if (ev.type === "warmup") {
     setStatus(`Warming up ${ev.target} at ${ev.clients} clients (not measured)…`);
   } else if (ev.type === "level") {

@@ -3,7 +3,9 @@ normal requests, a client that leaves, the switch in the settings."""
 
 import asyncio
 import statistics
+import threading
 import time
+from concurrent.futures import Future
 
 import httpx
 import pytest
@@ -94,6 +96,34 @@ def test_stream_sends_an_event_per_run_then_a_summary(client):
     # Targets alternate run by run, so drift on a busy machine hits both alike.
     assert [r["target"] for r in runs] == ["torch", "mlx"] * 4
     assert events[-2]["targets"]["mlx"]["runs"] == 4 and events[-2]["cancelled"] is False
+
+
+class CompilesForAWhile(FakeEngine):
+    """Its compiled step arrives half a second after its load; each request notes whether it
+    had by then."""
+
+    def __init__(self, name, **kwargs):
+        super().__init__(name, **kwargs)
+        self.compiled = Future()
+        self.after_compiled: list[bool] = []
+        threading.Timer(0.5, self.compiled.set_result, [None]).start()
+
+    def script(self, prompt_ids):
+        self.after_compiled.append(self.compiled.done())
+        return super().script(prompt_ids)
+
+
+def test_a_bench_waits_for_engines_still_making_their_compiled_step(make_client):
+    with make_client(FakeFactory(engine_class=CompilesForAWhile)) as client:
+        resp = client.post("/bench", json={**BENCH, "stream": True, "prompts": ["a b"]})
+        engines = client.factory.engines
+    events = sse_events(resp.text)[:-1]
+    waited = [e["target"] for e in events if e["type"] == "compiling"]
+    assert waited and len(set(waited)) == len(waited)  # an engine named once while it waits
+    kinds = [e["type"] for e in events]
+    assert kinds == ["start", *["compiling"] * len(waited), *["run"] * (len(kinds) - 2 - len(
+        waited)), "summary"]
+    assert all(all(e.after_compiled) and e.after_compiled for e in engines.values())
 
 
 def test_engine_choice_and_unavailable_engines(make_client):
