@@ -103,6 +103,9 @@ class CudaGraphs:
 
     def __init__(self) -> None:
         self._pool = None
+        # Captures made on a thread beside the steps the engine serves meanwhile
+        # (GraphDecoder.warm_up_beside), not while everything waits for them.
+        self.beside = False
 
     def capture(self, step: Callable[[], tuple]) -> tuple[Callable[[], None], tuple]:
         """Run step a few times (let the allocator and Triton's autotuning settle), then
@@ -110,19 +113,24 @@ class CudaGraphs:
         overwrites."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             for _ in range(3):
                 step()
-            # Thread-local: the eager steps another thread launches meanwhile (on streams of
-            # their own, GraphDecoder.warm_up_beside) are no part of the capture, and their
-            # calls do not break it.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                out = step()
-            finally:
-                graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if not self.beside:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = step()
+        else:
+            # Thread-local, on the warm-up's stream, with no device-wide synchronize or cache
+            # emptying (torch.cuda.graph's): the eager steps another thread launches meanwhile
+            # are no part of the capture, and their calls do not break it.
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    out = step()
+                finally:
+                    graph.capture_end()
         self._pool = graph.pool()
         return graph.replay, out
 
@@ -301,6 +309,7 @@ class GraphDecoder:
         (TorchExecutor). The future (also self.capturing) is done then, or holds why they
         never will be: the engine then decodes eagerly on."""
         self.capturing = future = Future()
+        self.graphs.beside = True
         cuda = self.device.startswith("cuda")
 
         def capture() -> None:

@@ -19,6 +19,7 @@ class ReplayedGraphs:
 
     def __init__(self):
         self.captured = []
+        self.beside = False  # as CudaGraphs: set when the captures run beside the steps
 
     def capture(self, step):
         out = step()
