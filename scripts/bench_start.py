@@ -228,12 +228,15 @@ def main() -> int:
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="duet-start-cache-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    device = device_name() if args.out else ""
     for i in range(args.starts):
         kind = "cold" if i == 0 and args.cache_dir is None else "warm"
         log_path = args.log_dir / f"start-{i}.log"
         row = (one_profile if args.profile else one_start)(args, cache, log_path)
         rows.append({"start": i, "kind": kind, **row})
         print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            write_out(args, rows, device)
     if args.cache_dir is None:
         shutil.rmtree(cache, ignore_errors=True)
 
@@ -243,15 +246,28 @@ def main() -> int:
         print(f"{r['start']:>5} {r['kind']:>5} {r['ready_s']:>8} {r.get('compiled_s', '-'):>10} "
               f"{r.get('load_s', '-'):>7} {r.get('graphs_s', '-'):>9}  "
               f"{r.get('compile_cache', '-')}")
-    if args.out:
-        import torch
-
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "date": dt.date.today().isoformat(), "device": device, "torch": torch.__version__,
-            "model": args.model, "serve_args": args.serve_args, "starts": rows}, indent=2) + "\n")
     return 0
+
+
+def device_name() -> str:
+    """The GPU's name from the driver, else the CPU's: without importing torch, which takes
+    seconds on a host without Python bytecode (a run under a time limit lost its file so)."""
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True)
+        return found.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return platform.processor() or platform.machine()
+
+
+def write_out(args, rows: list[dict], device: str) -> None:
+    """The starts so far, rewritten after each: a run stopped midway keeps what it measured."""
+    from importlib.metadata import version
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "date": dt.date.today().isoformat(), "device": device, "torch": version("torch"),
+        "model": args.model, "serve_args": args.serve_args, "starts": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
