@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
+
+from .beside import run_beside
 
 
 def _gpt2_byte_map() -> dict[str, int]:
@@ -55,16 +56,7 @@ def build_beside(model_dir: str | Path) -> Callable[[], ChatTokenizer]:
     call returned waits for it (and raises what building it raised). transformers' imports
     for AutoTokenizer are most of its time (10 s on a GPU host: its generation code, and
     scikit-learn where installed), mostly while the load waits on the device or the disk."""
-    future: Future = Future()
-
-    def build() -> None:
-        try:
-            future.set_result(ChatTokenizer(model_dir))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=build, name="tokenizer-build", daemon=True).start()
-    return future.result
+    return run_beside(lambda: ChatTokenizer(model_dir), "tokenizer-build").result
 
 
 class ChatTokenizer:

@@ -102,6 +102,12 @@ def short_during_long(url: str, model: str, engine: str | None, long_tokens: int
 # -- the server -------------------------------------------------------------------------------
 
 
+def compiling(health: dict) -> bool:
+    """Whether /health shows an engine still making its compiled step (a server without the
+    field: none)."""
+    return any(e.get("compiling") for e in health.get("engines", []))
+
+
 def start_server(args, *, prefix_cache: bool = False,
                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """prefix_cache off by default: repeats send the same prompts, and the references prefill
@@ -126,8 +132,7 @@ def start_server(args, *, prefix_cache: bool = False,
         try:
             health = httpx.get(url + "/health", timeout=2)
             # Measured once the compiled step serves: until then the engine steps eagerly.
-            if health.status_code == 200 and not any(
-                    e.get("compiling") for e in health.json().get("engines", [])):
+            if health.status_code == 200 and not compiling(health.json()):
                 return proc, url
         except httpx.HTTPError:
             pass

@@ -33,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from bench_concurrency import compiling as shows_compiling  # noqa: E402
+
 TIMINGS = {  # what the engine logs -> the figure's name
     "load_s": re.compile(r"engine loaded .* in ([\d.]+)s"),
     "graphs_s": re.compile(r"captured \d+ decode graphs .* in ([\d.]+)s"),
@@ -107,11 +109,9 @@ class StreamWatch:
 
 
 def compiling(url: str) -> bool:
-    """Whether an engine still makes its compiled step (a server without the field: no)."""
     import httpx
 
-    engines = httpx.get(url + "/health", timeout=2).json().get("engines", [])
-    return any(e.get("compiling") for e in engines)
+    return shows_compiling(httpx.get(url + "/health", timeout=2).json())
 
 
 def one_start(args, cache: Path, log_path: Path) -> dict:

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ..beside import run_beside
 from ..runtime.plan import PENDING, ScheduledSeq
 from . import nucleus_kernel
 from .decode_attention import dependent_launch_wanted
@@ -308,7 +309,6 @@ class GraphDecoder:
         executor takes the graphs at the first step after they are all captured
         (TorchExecutor). The future (also self.capturing) is done then, or holds why they
         never will be: the engine then decodes eagerly on."""
-        self.capturing = future = Future()
         self.graphs.beside = True
         cuda = self.device.startswith("cuda")
 
@@ -318,16 +318,15 @@ class GraphDecoder:
                 # captures' warm-up runs.
                 with torch.cuda.stream(torch.cuda.Stream()) if cuda else contextlib.nullcontext():
                     self.warm_up()
-            except BaseException as exc:  # noqa: BLE001  the engine goes on eagerly
-                if not isinstance(exc, CaptureAbandoned):
-                    log.warning("the decode graphs could not be captured; decoding stays eager",
-                                exc_info=True)
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+            except CaptureAbandoned:
+                raise
+            except BaseException:
+                log.warning("the decode graphs could not be captured; decoding stays eager",
+                            exc_info=True)
+                raise
 
-        threading.Thread(target=capture, name="duet-capture", daemon=True).start()
-        return future
+        self.capturing = run_beside(capture, "duet-capture")
+        return self.capturing
 
     def abandon(self) -> None:
         """Stop a capture under way (between two graphs) and wait for its thread: the engine

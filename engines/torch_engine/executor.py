@@ -59,15 +59,12 @@ class TorchExecutor:
         self._told = False  # this step's plan went to the other ranks (tensor parallelism)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
-        # A decoder whose graphs are still being captured beside the steps: taken at the first
-        # launch after they all are (cuda_graphs.GraphDecoder.warm_up_beside); eager till then.
-        self._coming = None
-        if decoder is not None and decoder.capturing is not None:
-            if not decoder.capturing.done():
-                self._coming, decoder = decoder, None
-            elif decoder.capturing.exception() is not None:
-                decoder = None
-        self._use(decoder)
+        # A decoder whose graphs are captured beside the steps: taken at the first launch
+        # after they all are (cuda_graphs.GraphDecoder.warm_up_beside); eager till then.
+        beside = decoder is not None and decoder.capturing is not None
+        self._coming = decoder if beside else None
+        self._use(None if beside else decoder)
+        self._take_coming()
 
     def _use(self, decoder) -> None:
         """Decode through decoder's CUDA graphs (None: eagerly). With graphs the step is
@@ -82,6 +79,14 @@ class TorchExecutor:
         self._sampler = decoder.sampler if graphed else Sampler()
         self._scorer = decoder.scorer if graphed else scores_table
 
+    def _take_coming(self) -> None:
+        """Decode through the coming graphs once they are all captured; if they never will
+        be, eagerly on."""
+        if self._coming is not None and self._coming.capturing.done():
+            coming, self._coming = self._coming, None
+            if coming.capturing.exception() is None:
+                self._use(coming)
+
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
         self._told = False
@@ -93,11 +98,7 @@ class TorchExecutor:
             raise self.ranks.failed(exc, self._told) from exc
 
     def _launch(self, plan: StepPlan):
-        if self._coming is not None and self._coming.capturing.done():
-            # Between two steps of a runtime not yet pipelined: nothing is in flight.
-            coming, self._coming = self._coming, None
-            if coming.capturing.exception() is None:
-                self._use(coming)
+        self._take_coming()  # between two steps of a runtime not yet pipelined: none in flight
         self._settle()  # the last step's picks, which this step's PENDING rows read
         self._processor.release(plan.released)
         if self.ranks is not None:
