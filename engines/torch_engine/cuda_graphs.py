@@ -34,6 +34,9 @@ from .sampling import Sampler, argmax_in_chunks, scores_table
 log = logging.getLogger("duet.engines.torch")
 
 MIN_ATTENTION = 256
+# While graphs are compiled and captured beside the serving thread, the GIL changes hands at
+# least this often (beside.run_beside): each eager op of a step waits up to it for the GIL back.
+CAPTURE_SWITCH_INTERVAL_S = 1e-4
 # Columns of the input buffer before a row's block table. SOURCE: where a PENDING token is in
 # the last step's picks (-1: the token is in TOKEN).
 TOKEN, POSITION, WRITE, SOURCE, TABLE = 0, 1, 2, 3, 4
@@ -325,7 +328,7 @@ class GraphDecoder:
                             exc_info=True)
                 raise
 
-        self.capturing = run_beside(capture, "duet-capture")
+        self.capturing = run_beside(capture, "duet-capture", CAPTURE_SWITCH_INTERVAL_S)
         return self.capturing
 
     def abandon(self) -> None:

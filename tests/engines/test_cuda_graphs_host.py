@@ -3,6 +3,7 @@ input buffer (tokens, positions, write slots, block tables, padding rows into th
 a stand-in for CUDA graphs that re-runs the captured step into its captured outputs. Through it,
 a batch whose rows join and leave gives each row its solo tokens."""
 
+import sys
 import threading
 
 import pytest
@@ -152,6 +153,7 @@ def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
 
     graphs = GatedGraphs()
     made = []
+    interval = sys.getswitchinterval()
 
     def make_decoder(model, kv, device, compile, max_batch, head=True, capture=True):
         made.append(capture)
@@ -163,6 +165,9 @@ def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
                          device="cpu", max_batch=4)
     assert made == [False] and graphs.captured == []  # the warm-up ran without graphs
     assert not engine.compiled.done() and engine.decoder.capturing is engine.compiled
+    # The GIL changes hands often while the capture runs beside the serving thread.
+    assert sys.getswitchinterval() == pytest.approx(cuda_graphs.CAPTURE_SWITCH_INTERVAL_S,
+                                                    abs=2e-6)
     decoded = []
     run = engine.decoder.run
     engine.decoder.run = lambda rows, last=None: (decoded.append(len(rows)), run(rows, last))[1]
@@ -171,6 +176,7 @@ def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
     graphs.gate.set()
     engine.wait_compiled()
     assert engine.compiled.done() and engine.compiled.exception() is None
+    assert sys.getswitchinterval() == pytest.approx(interval, abs=2e-6)
     assert alone(engine, PROMPTS[0], GREEDY[0]) == eager and decoded
     engine.close()
 
