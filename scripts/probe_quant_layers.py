@@ -78,8 +78,13 @@ def int4_plans(n: int, k: int, rows: int, group: int = 64) -> dict[str, float]:
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --fp8-plans, BLOCK_M as plan() has it.
-FP8_PLANS = [(n, bk, split, w, 4) for n in (64, 128, 256) for bk in (64, 128, 256)
-             for split in (1, 2, 4, 8) for w in (4, 8)]
+# (A sweep of 2026-11-26 over BLOCK_N 64-256, BLOCK_K 64-256, splits to 8 and 8 warps found
+# none of 8 warps, BLOCK_K 64 or splits past 2 among the fastest.)
+FP8_PLANS = [(n, bk, split, 4, stages) for n in (32, 64, 128) for bk in (128, 256, 512)
+             for split in (1, 2) for stages in (3, 4, 6)]
+# Inputs summed by the tensor cores before the float32 sum, tried by --fp8-plans on the five
+# fastest plans (fp8_kernel.PRECISE_EVERY, every one of them the whole step, or never).
+FP8_PRECISE = (256, 512, 0)
 
 
 def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
@@ -91,6 +96,7 @@ def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
     w8, scale = quant.quantize_fp8(torch.randn(n, k, device="cuda") * 0.02)
     x8, x_scale = quant.quantize_rows(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
     chosen = fp8_kernel.plan(rows, n, k)
+    plans = {}
     out = {f"chosen {chosen}": round(microseconds(
         lambda x: fp8_kernel.launch(x, x_scale, w8, scale, chosen), x8), 1)}
     for block_n, block_k, split, warps, stages in FP8_PLANS:
@@ -103,6 +109,19 @@ def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
                 lambda x, p=p: fp8_kernel.launch(x, x_scale, w8, scale, p), x8), 1)
         except Exception as exc:  # a tiling past the GPU's shared memory or registers
             out[key] = type(exc).__name__
+        plans[key] = p
+    best = sorted((v, key) for key, v in out.items() if isinstance(v, float) and key in plans)
+    for _, key in best[:5]:
+        p = plans[key]
+        for every in FP8_PRECISE:
+            if every > p.block_k:
+                continue
+            try:  # 0: the tensor cores' sums all along (Triton's default on sm_90)
+                out[f"{key}/p{every or 'never'}"] = round(microseconds(
+                    lambda x, p=p, e=every: fp8_kernel.launch(x, x_scale, w8, scale, p, e),
+                    x8), 1)
+            except Exception as exc:
+                out[f"{key}/p{every or 'never'}"] = type(exc).__name__
     return out
 
 
@@ -133,6 +152,8 @@ def main() -> int:
                    help="duet's int4 kernel in each tiling of INT4_PLANS too")
     p.add_argument("--fp8-plans", action="store_true",
                    help="duet's fp8 kernel in each tiling of FP8_PLANS too")
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"these of {','.join(FORMATS)} (bf16 always)")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/quant-layers.json")
     args = p.parse_args()
     # Every layer of a class shares its forward's code: past Dynamo's default of 8 compiled
@@ -140,10 +161,11 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64
     torch.manual_seed(0)
     results = []
+    formats = ["bf16"] + [f for f in args.formats.split(",") if f in FORMATS[1:]]
     for n, k in SHAPES:
         linear = torch.nn.Linear(k, n, bias=False).cuda().bfloat16()
         layers = {"bf16": linear}
-        for fmt in FORMATS[1:]:
+        for fmt in formats[1:]:
             if fmt.startswith("fp8"):
                 layers[fmt] = quant.FP8Linear(linear, "triton" if "-" in fmt else "cuda", True)
             elif fmt == "int4-triton":
@@ -164,7 +186,7 @@ def main() -> int:
             results.append(row)
             print(f"N={n} K={k} rows={rows}: " + " | ".join(
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"
-                for f in FORMATS), flush=True)
+                for f in formats), flush=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                     "torch": torch.__version__, "results": results},
                                    indent=2) + "\n")

@@ -58,7 +58,10 @@ if triton is not None:
             # Hopper's fp8 products sum in fewer bits than float32 (about 14) unless promoted:
             # every PRECISE_EVERY inputs into the float32 sum, as torch._scaled_mm does by
             # default (Triton's default on sm_90 never promotes; the GPU check failed so).
-            acc = tl.dot(x, w, acc, max_num_imprecise_acc=PRECISE_EVERY)
+            if PRECISE_EVERY > 0:
+                acc = tl.dot(x, w, acc, max_num_imprecise_acc=PRECISE_EVERY)
+            else:  # the tensor cores' sums all along (a probe's comparison only)
+                acc = tl.dot(x, w, acc)
         x_scale = tl.load(XScale + rows, mask=row_ok, other=0.0)
         scale = tl.load(Scale + cols, mask=col_ok, other=0.0)
         out = Out + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :]
@@ -90,13 +93,18 @@ if triton is not None:
 
 
 def plan(m: int, n: int, k: int) -> Plan:
-    """Tiles of 64 rows, 256 inputs a step, not split; 128 columns for the wide layers, else 64
-    (more programs for the GPU's SMs). Measured on an H100 at 64 rows over 72 tilings of each 8B
-    layer (probe_quant_layers.py --fp8-plans, 2026-11-26): these were the fastest or within 2%
-    of it; every split was slower, its float32 parts costing more than the SMs it fills (the
-    down projection 28.5 us whole, 32.4 split two ways). One tile for every row count, so a
-    row's bits do not depend on its batch."""
-    return Plan(64, 128 if n >= 16384 else 64, 256 if k % 256 == 0 else 128, 1, 4, 4)
+    """Tiles of 64 rows, not split, 4 warps. Measured on an H100 at 16 and 64 rows over 54
+    tilings of each 8B layer, sums promoted every 128 inputs (probe_quant_layers.py
+    --fp8-plans, 2026-11-27): narrow tiles of 32 columns and 128 inputs a step were the
+    fastest for the layers of 4,096 to 6,144 columns (twice the programs of 64-column tiles
+    for the GPU's 132 SMs; with 6 stages where the inputs are many: the down projection 29.7
+    us at 64 rows against 35.9 in the tiles used before, the output projection 8.7 against
+    11.8), 64 x 256 in 3 stages for the wide gate/up (46.2 against 47.6). Splits were no
+    faster, their float32 parts costing more than the SMs they fill. One tile for every row
+    count, so a row's bits do not depend on its batch."""
+    if n >= 16384:
+        return Plan(64, 64, 256 if k % 256 == 0 else 128, 1, 4, 3)
+    return Plan(64, 32, 128, 1, 4, 6 if k >= 8192 else 4)
 
 
 def wanted(device: str) -> bool:
@@ -143,8 +151,10 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def launch(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, scale: torch.Tensor,
-           p: Plan) -> torch.Tensor:
-    """fp8_mm with the tiles of p (scripts/probe_quant_layers.py --fp8-plans tries others)."""
+           p: Plan, precise_every: int = PRECISE_EVERY) -> torch.Tensor:
+    """fp8_mm with the tiles of p (scripts/probe_quant_layers.py --fp8-plans tries others, and
+    other precise_every: how many inputs the tensor cores sum before the float32 sum takes
+    them, 0 never)."""
     m, k = x8.shape
     n = weight8.shape[0]
     out, parts = int4_kernel.outputs(m, n, p.split_k, torch.bfloat16, x8.device)
@@ -152,6 +162,6 @@ def launch(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, scale
     _fp8_mm_kernel[grid](x8.contiguous(), x_scale.reshape(-1), weight8,
                          scale, parts, m, n, k, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
                          BLOCK_K=p.block_k, SPLIT_K=p.split_k,
-                         PRECISE_EVERY=min(p.block_k, PRECISE_EVERY), num_warps=p.warps,
+                         PRECISE_EVERY=min(p.block_k, precise_every), num_warps=p.warps,
                          num_stages=p.stages)
     return int4_kernel.add_splits(parts, out, p.split_k)

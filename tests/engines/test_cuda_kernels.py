@@ -129,8 +129,8 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
     ("fp8_kernel", "_fp8_mm_kernel", "whole"): (
         {"X": "*fp8e4nv", "XScale": "*fp32", "W": "*fp8e4nv", "Scale": "*fp32", "Out": PTR16,
          "M": "i32", "N": "i32", "K": "i32"},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "PRECISE_EVERY": 128},
-        {"num_warps": 4, "num_stages": 4}),
+        {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "PRECISE_EVERY": 128},
+        {"num_warps": 4, "num_stages": 6}),
     ("fp8_kernel", "_quantize_rows_kernel"): (
         {"X": PTR16, "X8": "*fp8e4nv", "XScale": "*fp32", "K": "i32"}, {"BLOCK": 1024}),
     ("int4_kernel", "_sum_splits_kernel"): (
