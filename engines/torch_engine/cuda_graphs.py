@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -37,6 +37,16 @@ MIN_ATTENTION = 256
 # While graphs are compiled and captured beside the serving thread, the GIL changes hands at
 # least this often (beside.run_beside): each eager op of a step waits up to it for the GIL back.
 CAPTURE_SWITCH_INTERVAL_S = 1e-4
+
+
+def interim_wanted() -> bool:
+    """Whether a load whose decode step is compiled serves through graphs of eager ops while
+    that step is made (DUET_INTERIM_GRAPHS=1; opt-in). Measured on an H100 (2026-11-27): the
+    interim graphs captured in 0.6-7.4 s and the compiled ones followed in-process, but in
+    the one server start measured with a stream running, the compile had not ended after 255
+    s (111-184 s without them): the faster stream takes its share of the GIL from the
+    compiler, which has yet to be weighed against the stream's gain."""
+    return os.environ.get("DUET_INTERIM_GRAPHS") == "1"
 # Columns of the input buffer before a row's block table. SOURCE: where a PENDING token is in
 # the last step's picks (-1: the token is in TOKEN).
 TOKEN, POSITION, WRITE, SOURCE, TABLE = 0, 1, 2, 3, 4
@@ -306,16 +316,21 @@ class GraphDecoder:
             compile_summary() if self.compiled else "eager ops", time.perf_counter() - started,
         )
 
-    def warm_up_beside(self) -> Future:
+    def warm_up_beside(self, after: Future | None = None) -> Future:
         """warm_up() on a thread of its own, while the engine serves with eager steps: the
         compile and the captures were most of a warm start (18 of 32 s, 1B shape, H100). The
         executor takes the graphs at the first step after they are all captured
         (TorchExecutor). The future (also self.capturing) is done then, or holds why they
-        never will be: the engine then decodes eagerly on."""
+        never will be: the engine then decodes eagerly on (or through graphs taken before).
+        after: another decoder's capture, which this one waits for (whatever its outcome)
+        before it starts, not to compete with it."""
         self.graphs.beside = True
         cuda = self.device.startswith("cuda")
 
         def capture() -> None:
+            if after is not None:
+                wait([after])
+                self._check_abandoned()
             try:
                 # A stream of the thread's own: the eager steps' stream never waits on the
                 # captures' warm-up runs.
@@ -331,11 +346,12 @@ class GraphDecoder:
         self.capturing = run_beside(capture, "duet-capture", CAPTURE_SWITCH_INTERVAL_S)
         return self.capturing
 
-    def abandon(self) -> None:
-        """Stop a capture under way (between two graphs) and wait for its thread: the engine
-        is closing, and its memory must be free when this returns."""
+    def abandon(self, wait: bool = True) -> None:
+        """Stop a capture under way (between two graphs) and wait for its thread (unless
+        told not to): the engine is closing, and its memory must be free when this
+        returns."""
         self._abandoned.set()
-        if self.capturing is not None:
+        if wait and self.capturing is not None:
             with contextlib.suppress(BaseException):
                 self.capturing.result()
 

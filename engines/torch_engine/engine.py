@@ -43,6 +43,8 @@ COMPILE_MODES = ("auto", "on", "off")  # auto/on: CUDA graphs on CUDA
 class TorchEngine(GenerationEngine):
     name = "torch"
     ranks = None  # the other ranks under tensor parallelism (ranks.RankGroup)
+    # Graphs of eager ops serving while the compiled ones are made (DUET_INTERIM_GRAPHS=1).
+    interim = None
     _own_read = float("-inf")  # when rank_status() last read this rank's memory
 
     def __init__(self, model_dir: str | Path, **options):
@@ -109,7 +111,18 @@ class TorchEngine(GenerationEngine):
         beside = self.ranks is None
         decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch,
                                capture=not beside)
-        self.decoder = None if beside else decoder
+        # Opt-in: while a compiled step is made (half a minute warm, minutes cold), graphs of
+        # eager ops serve: captured first (seconds), they replay a step at a few GIL
+        # hand-overs, where an eager step takes hundreds, each a wait while the compiler holds
+        # the GIL.
+        interim = None
+        if beside and decoder is not None and decoder.compiled:
+            from .cuda_graphs import interim_wanted
+
+            if interim_wanted():
+                interim = make_decoder(self.model, self.kv, self.device, "off",
+                                       shape.max_batch, capture=False)
+        self.decoder, self.interim = (None if beside else decoder), None
         self.meter = self._own_meter = memory_meter(self.device)  # own: this rank's
         world = 1
         if self.ranks is not None:
@@ -138,8 +151,12 @@ class TorchEngine(GenerationEngine):
         # (5 s on an H100 host, where the two threads share the interpreter).
         warmed = warm_up(self)
         if beside and decoder is not None:
-            self.compiled = decoder.warm_up_beside()
-            self.decoder = decoder
+            first = interim.warm_up_beside() if interim is not None else None
+            self.compiled = decoder.warm_up_beside(after=first)
+            self.decoder, self.interim = decoder, interim
+            # Once the compiled graphs serve, the interim ones' memory is let go (the
+            # executor drops them at its switch).
+            self.compiled.add_done_callback(self._drop_interim)
         log.info("torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
                  model_dir, self.device, self.dtype, loaded, shape.describe(), warmed)
 
@@ -184,7 +201,12 @@ class TorchEngine(GenerationEngine):
 
     def executor(self, *, prefix_cache: bool = False) -> TorchExecutor:
         # The KV lives in the pool's blocks: their reuse is the scheduler's.
-        return TorchExecutor(self.model, self.kv, self.device, self.decoder, self.ranks)
+        return TorchExecutor(self.model, self.kv, self.device, self.decoder, self.ranks,
+                             interim=self.interim)
+
+    def _drop_interim(self, compiled) -> None:
+        if compiled.exception() is None:
+            self.interim = None
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
@@ -201,11 +223,16 @@ class TorchEngine(GenerationEngine):
                                        should_stop)
 
     def close(self) -> None:
-        if self.decoder is not None:
-            self.decoder.abandon()  # its thread holds the model and the pool till it ends
+        # Their threads hold the model and the pool till they end. Both told first: the
+        # compiled capture, waiting for the interim one, then never begins.
+        decoders = [d for d in (self.interim, self.decoder) if d is not None]
+        for decoder in decoders:
+            decoder.abandon(wait=False)
+        for decoder in decoders:
+            decoder.abandon()
         self.model = None
         self.kv = None
-        self.decoder = None
+        self.decoder = self.interim = None
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None

@@ -47,7 +47,7 @@ class Launched:
 
 
 class TorchExecutor:
-    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None):
+    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None, interim=None):
         self.model, self.kv, self.device = model, kv, device
         # Under tensor parallelism (ranks.py): the other ranks, told each step before it runs.
         self.ranks = ranks
@@ -59,11 +59,13 @@ class TorchExecutor:
         self._told = False  # this step's plan went to the other ranks (tensor parallelism)
         self._readback = ReadBack(device)
         self._processor = RowProcessor(model.args.vocab_size, device)
-        # A decoder whose graphs are captured beside the steps: taken at the first launch
-        # after they all are (cuda_graphs.GraphDecoder.warm_up_beside); eager till then.
-        beside = decoder is not None and decoder.capturing is not None
-        self._coming = decoder if beside else None
-        self._use(None if beside else decoder)
+        # Decoders whose graphs are captured beside the steps, in the order they come (the
+        # interim one's graphs of eager ops, then the compiled one's): each taken at the first
+        # launch after its graphs all are (cuda_graphs.GraphDecoder.warm_up_beside); eager
+        # till the first.
+        self._coming = [d for d in (interim, decoder)
+                        if d is not None and d.capturing is not None]
+        self._use(None if self._coming else decoder)
         self._take_coming()
 
     def _use(self, decoder) -> None:
@@ -80,12 +82,16 @@ class TorchExecutor:
         self._scorer = decoder.scorer if graphed else scores_table
 
     def _take_coming(self) -> None:
-        """Decode through the coming graphs once they are all captured; if they never will
-        be, eagerly on."""
-        if self._coming is not None and self._coming.capturing.done():
-            coming, self._coming = self._coming, None
-            if coming.capturing.exception() is None:
-                self._use(coming)
+        """Decode through the last coming decoder whose graphs are all captured (those before
+        it are dropped, their memory freed with them); one whose graphs never will be is
+        passed over, and the steps go on as they were."""
+        done = [d for d in self._coming if d.capturing.done()]
+        if not done:
+            return
+        self._coming = [d for d in self._coming if not d.capturing.done()]
+        ready = [d for d in done if d.capturing.exception() is None]
+        if ready:
+            self._use(ready[-1])
 
     def launch(self, plan: StepPlan):
         """Queue the step's work on the device; collect() reads its tokens."""
@@ -98,8 +104,11 @@ class TorchExecutor:
             raise self.ranks.failed(exc, self._told) from exc
 
     def _launch(self, plan: StepPlan):
-        self._take_coming()  # between two steps of a runtime not yet pipelined: none in flight
         self._settle()  # the last step's picks, which this step's PENDING rows read
+        # After the draw above, with the sampler it was launched for. Nothing of the decoder
+        # given up is replayed again, so the last step's outputs (its picks, scores, logits)
+        # stay where the next step and the read-back find them.
+        self._take_coming()
         self._processor.release(plan.released)
         if self.ranks is not None:
             self.ranks.step(plan.prefill, plan.decode, share=self.pipelined)
@@ -207,8 +216,8 @@ class TorchExecutor:
         """The rows' last positions' logits; a scored prompt chunk's positions are scored into
         prompt_scores (seq id -> (first position scored, scores))."""
         batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
-        if decode and self._coming is not None:
-            batch = self._coming.bucketed(batch)
+        if decode and self._coming:
+            batch = self._coming[-1].bucketed(batch)
         with prefill_attention(self.device):
             if not any(r.score_next for r in rows):
                 return self.model.forward_paged(batch, self.kv)

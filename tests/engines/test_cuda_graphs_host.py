@@ -5,6 +5,7 @@ a batch whose rows join and leave gives each row its solo tokens."""
 
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -145,6 +146,65 @@ def test_graphs_captured_beside_eager_steps_take_over_between_two_steps(tiny_dir
     assert engine.kv_pool.used_blocks == 0
 
 
+def test_interim_graphs_serve_until_the_compiled_ones_arrive(tiny_dirs, monkeypatch):
+    """Graphs of eager ops, captured first, serve while the compiled ones are made: the steps go
+    eager, then through the interim graphs (pipelined), then through the compiled ones, each
+    switch between two steps of running requests, which get exactly their solo tokens. The
+    compiled capture starts only once the interim one has ended, and the engine lets the
+    interim decoder go once the compiled one serves."""
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    solo = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    gated = {name: GatedGraphs() for name in ("interim", "compiled")}
+    started = []  # the order the captures were asked for in (before their gates)
+
+    def decoder(name):
+        graphs = gated[name]
+        capture = graphs.capture
+        graphs.capture = lambda step: (started.append(name), capture(step))[1]
+        return cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                        graphs=graphs)
+
+    engine.interim, engine.decoder = decoder("interim"), decoder("compiled")
+    first = engine.interim.warm_up_beside()
+    engine.compiled = engine.decoder.warm_up_beside(after=first)
+    engine.compiled.add_done_callback(engine._drop_interim)
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    decoded = {"interim": 0, "compiled": 0}
+    for name, d in (("interim", engine.interim), ("compiled", engine.decoder)):
+        run = d.run
+        d.run = lambda rows, last=None, run=run, name=name: (
+            decoded.__setitem__(name, decoded[name] + 1), run(rows, last))[1]
+    modes = []
+
+    def after_step():
+        modes.append((runtime.pipelined, dict(decoded)))
+        if len(modes) == 3:
+            for _ in range(1000):
+                if started:
+                    break
+                time.sleep(0.01)
+            assert started == ["interim"]  # its first capture waits at the gate
+            gated["interim"].gate.set()
+            first.result(timeout=60)
+        if len(modes) == 7:
+            assert runtime.status().compiling
+            gated["compiled"].gate.set()
+            engine.compiled.result(timeout=60)
+
+    got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9],
+                          after_step=after_step)
+    assert got == solo
+    assert modes[:3] == [(False, {"interim": 0, "compiled": 0})] * 3
+    assert modes[3] == (False, {"interim": 1, "compiled": 0})
+    assert all(pipelined for pipelined, _ in modes[4:])
+    assert modes[6][1]["compiled"] == 0 and modes[6][1]["interim"] == 4
+    assert modes[7][1]["interim"] == 4 and modes[-1][1]["compiled"] > 3
+    assert started.index("compiled") == len(gated["interim"].captured)
+    assert engine.interim is None and not runtime.status().compiling
+    assert engine.kv_pool.used_blocks == 0
+
+
 def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
     """A one-device load runs its warm-up generation eagerly, then starts the capture and
     returns: the engine serves while it goes on, says it is compiling, and decodes through the
@@ -179,6 +239,50 @@ def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
     assert sys.getswitchinterval() == pytest.approx(interval, abs=2e-6)
     assert alone(engine, PROMPTS[0], GREEDY[0]) == eager and decoded
     engine.close()
+
+
+def test_a_compiled_load_asked_for_interim_graphs_captures_them_first(tiny_dirs, monkeypatch):
+    """When the decode step is compiled and interim graphs are asked for
+    (DUET_INTERIM_GRAPHS=1), the load also makes a decoder of eager ops (compile off), whose
+    graphs are captured beside first; the compiled capture follows it. close() abandons both
+    captures and waits for them (the compiled one never began). Not asked for, no interim."""
+    from engines.torch_engine import engine as engine_module
+
+    made = []
+
+    def make_decoder(model, kv, device, compile, max_batch, head=True, capture=True):
+        made.append((compile, capture))
+        decoder = cuda_graphs.GraphDecoder(model, kv, device, max_batch, graphs=GatedGraphs())
+        decoder.compiled = compile != "off"
+        return decoder
+
+    monkeypatch.setattr(engine_module, "make_decoder", make_decoder)
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    monkeypatch.delenv("DUET_INTERIM_GRAPHS", raising=False)
+    plain = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
+                        device="cpu", max_batch=4, compile="on")
+    assert made == [("on", False)] and plain.interim is None
+    plain.decoder.graphs.gate.set()
+    plain.close()
+    made.clear()
+    monkeypatch.setenv("DUET_INTERIM_GRAPHS", "1")
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
+                         device="cpu", max_batch=4, compile="on")
+    assert made == [("on", False), ("off", False)]
+    interim, compiled = engine.interim, engine.decoder
+    assert not interim.compiled and compiled.compiled
+    assert interim.capturing is not None and engine.compiled is compiled.capturing
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    assert interim._abandoned.wait(10)
+    assert closer.is_alive()  # waiting for the interim capture under way
+    interim.graphs.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    for decoder in (interim, compiled):
+        assert isinstance(decoder.capturing.exception(timeout=0), cuda_graphs.CaptureAbandoned)
+    assert len(interim.graphs.captured) == 1 and compiled.graphs.captured == []
+    assert engine.decoder is None and engine.interim is None
 
 
 def test_a_closing_engine_abandons_its_capture_and_waits_for_it(tiny_dirs):
