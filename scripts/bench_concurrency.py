@@ -104,7 +104,13 @@ def short_during_long(url: str, model: str, engine: str | None, long_tokens: int
 
 def compiling(health: dict) -> bool:
     """Whether /health shows an engine still making its compiled step (a server without the
-    field: none)."""
+    field: none). One whose compiled step failed stops the benchmark: its eager steps are
+    not what it measures."""
+    failed = [f"{e.get('model')}: {e['compile_error']}" for e in health.get("engines", [])
+              if e.get("compile_error")]
+    if failed:
+        raise SystemExit("the compiled step failed, the engine steps eagerly: "
+                         + "; ".join(failed))
     return any(e.get("compiling") for e in health.get("engines", []))
 
 

@@ -122,6 +122,7 @@ class EngineWorker:
                 "step_ms": round(status.step_s * 1000, 3),
                 "engine_step_ms": round(status.execute_s * 1000, 3),
                 "compiling": status.compiling,
+                "compile_error": status.compile_error,
                 "kv_cache_used_bytes": status.kv_used_tokens * per_token,
                 "kv_cache_bytes": status.kv_tokens * per_token,
                 "kv_cache_used_tokens": status.kv_used_tokens,

@@ -132,6 +132,9 @@ class RuntimeStatus:
     ranks: tuple[RankStatus, ...] = ()  # a tensor-parallel engine's ranks, 0 first
     # The engine steps eagerly while its compiled step is made (GenerationEngine.compiled).
     compiling: bool = False
+    # Why the compiled step never came, if it failed: the engine steps eagerly on, several
+    # times slower, which /health says rather than leave to be guessed from the step time.
+    compile_error: str | None = None
 
     @property
     def kv_tokens(self) -> int:

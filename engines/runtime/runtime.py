@@ -109,7 +109,8 @@ class Runtime:
                              pool.bytes_per_token,
                              pool.cached_blocks * pool.block_size + self._kept,
                              self.scheduler.cached_tokens, self.engine.rank_status(),
-                             self.engine.compiled is not None and not self.engine.compiled.done())
+                             self.engine.compiled is not None and not self.engine.compiled.done(),
+                             compile_error(self.engine.compiled))
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or
@@ -380,3 +381,12 @@ class Runtime:
 
 def sequence_ids() -> itertools.count:
     return itertools.count()
+
+
+def compile_error(compiled) -> str | None:
+    """A failed compiled step's error, in a line (at most 300 characters); None while it is
+    made, once it serves, or for an engine that compiles none."""
+    if compiled is None or not compiled.done() or compiled.exception() is None:
+        return None
+    exc = compiled.exception()
+    return f"{type(exc).__name__}: {exc}"[:300]

@@ -312,6 +312,7 @@ def test_a_closing_engine_abandons_its_capture_and_waits_for_it(tiny_dirs):
     with pytest.raises(RuntimeError, match="no room"):
         failing.compiled.result(timeout=30)
     runtime = Runtime(failing, max_batch=3, max_prefill_tokens=64)
+    assert runtime.status().compile_error == "RuntimeError: no room"
     got, _ = run_together(runtime, [(PROMPTS[0], GREEDY[0])])
     assert not runtime.pipelined and failing.decoder.graphs.captured == []
     assert got[0] == alone(failing, PROMPTS[0], GREEDY[0])

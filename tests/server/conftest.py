@@ -1,4 +1,6 @@
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -89,3 +91,13 @@ def make_client(models_file):
 def client(make_client):
     with make_client() as c:
         yield c
+
+
+def script(name: str):
+    """A module of scripts/ (a folder of scripts, not a package), loaded from its file: the
+    server-facing helpers the benchmarks share."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"duet_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -34,7 +34,7 @@ from engines.runtime.process import EngineProcessError, _portable, wants_process
 from server.classify_service import _classify
 from server.errors import APIError
 from server.worker import EngineWorker
-from tests.server.conftest import FakeFactory
+from tests.server.conftest import FakeFactory, script
 
 pytestmark = pytest.mark.anyio
 
@@ -169,7 +169,8 @@ async def test_the_batch_and_kv_use_show_while_requests_run():
 
 
 class CompilesBeside(EchoEngine):
-    """Serves at once; its compiled step arrives beside, once the gate file exists."""
+    """Serves at once; its compiled step arrives beside, once the gate file exists (or fails
+    then, if the file says so)."""
 
     def __init__(self, *args, gate: str, **kw):
         super().__init__(*args, **kw)
@@ -178,7 +179,10 @@ class CompilesBeside(EchoEngine):
         def arrive():
             while not Path(gate).exists():
                 time.sleep(0.01)
-            self.compiled.set_result(None)
+            if Path(gate).read_text() == "fail":
+                self.compiled.set_exception(RuntimeError("out of memory in the capture"))
+            else:
+                self.compiled.set_result(None)
 
         threading.Thread(target=arrive, daemon=True).start()
 
@@ -197,6 +201,28 @@ async def test_the_status_shows_an_engine_compiling_until_its_compiled_step_arri
         assert worker.runtime_status()["compiling"]
         gate.touch()
         assert await until(lambda: not worker.runtime_status()["compiling"])
+        assert worker.runtime_status()["compile_error"] is None
+    finally:
+        await worker.aclose(10)
+
+
+@pytest.mark.parametrize("process", [False, True])
+async def test_the_status_says_why_a_compiled_step_failed(process, tmp_path):
+    """The engine steps eagerly on; /health's status carries the error (and a benchmark that
+    waits for the compiled step stops on it rather than time eager steps)."""
+    gate = tmp_path / "gate"
+    worker = EngineWorker("w", process=process)
+    await worker.load(partial(CompilesBeside, "fake", max_batch=4, gate=str(gate)))
+    try:
+        assert worker.runtime_status()["compile_error"] is None
+        gate.write_text("fail")
+        assert await until(lambda: not worker.runtime_status()["compiling"])
+        error = worker.runtime_status()["compile_error"]
+        assert error == "RuntimeError: out of memory in the capture"
+        assert (await run(worker, "abc"))[0] == "cba"
+        health = {"engines": [{"model": "m", **worker.runtime_status()}]}
+        with pytest.raises(SystemExit, match="m: RuntimeError: out of memory"):
+            script("bench_concurrency").compiling(health)
     finally:
         await worker.aclose(10)
 

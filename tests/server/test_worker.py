@@ -224,6 +224,7 @@ async def test_runtime_status_reports_the_batch_and_the_pool_as_they_are():
             "kv_cache_used_bytes": 2 * 16 * 8, "kv_cache_bytes": 64 * 8,
             "kv_cache_used_tokens": 32, "kv_cache_tokens": 64,
             "prefix_cache_tokens": 16, "prefix_cache_hit_tokens": 48, "compiling": False,
+            "compile_error": None,
         }
         engine.kv_pool.release(blocks)
         status = worker.runtime_status()
