@@ -230,7 +230,8 @@ def main() -> int:
     rows = []
     device = device_name() if args.out else ""
     for i in range(args.starts):
-        kind = "cold" if i == 0 and args.cache_dir is None else "warm"
+        # Cold: nothing compiled yet under the cache (a --cache-dir given empty is cold too).
+        kind = "warm" if (cache / "inductor").exists() else "cold"
         log_path = args.log_dir / f"start-{i}.log"
         row = (one_profile if args.profile else one_start)(args, cache, log_path)
         rows.append({"start": i, "kind": kind, **row})
