@@ -170,12 +170,16 @@ class BenchRun:
 
     async def _until_compiled(self) -> AsyncIterator[dict]:
         """Engines still making their compiled step are waited for, each named in an event
-        once: their eager steps until then are not what the bench compares."""
+        once: their eager steps until then are not what the bench compares. One whose compiled
+        step failed is named with its error: its eager steps are what gets measured."""
         for name, target in self.targets.items():
             said = False
             while target.kind == "engine" and not self.gone.is_set():
                 status = target.worker.runtime_status()
                 if status is None or not status["compiling"]:
+                    if status is not None and status["compile_error"]:
+                        yield {"type": "compile_error", "target": name,
+                               "message": status["compile_error"]}
                     break
                 if not said:
                     said = True

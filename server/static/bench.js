@@ -169,6 +169,9 @@ function handle(ev) {
     }
   } else if (ev.type === "compiling") {
     setStatus(`Waiting for ${ev.target} to finish compiling its decode step (not measured)…`);
+  } else if (ev.type === "compile_error") {
+    setStatus(`${ev.target}'s compiled decode step failed (${ev.message}): its slower ` +
+              `eager steps are measured.`);
   } else if (ev.type === "warmup") {
     setStatus(`Warming up ${ev.target} at ${ev.clients} clients (not measured)…`);
   } else if (ev.type === "level") {

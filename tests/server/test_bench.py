@@ -126,6 +126,25 @@ def test_a_bench_waits_for_engines_still_making_their_compiled_step(make_client)
     assert all(all(e.after_compiled) and e.after_compiled for e in engines.values())
 
 
+class CompileFailed(FakeEngine):
+    """Its compiled step failed at its load: it steps eagerly."""
+
+    def __init__(self, name, **kwargs):
+        super().__init__(name, **kwargs)
+        self.compiled = Future()
+        self.compiled.set_exception(RuntimeError("no room for the graphs"))
+
+
+def test_a_bench_names_an_engine_whose_compiled_step_failed(make_client):
+    with make_client(FakeFactory(engine_class=CompileFailed)) as client:
+        resp = client.post("/bench", json={**BENCH, "stream": True, "prompts": ["a b"]})
+    events = sse_events(resp.text)[:-1]
+    failed = [e for e in events if e["type"] == "compile_error"]
+    assert sorted(e["target"] for e in failed) == ["mlx", "torch"]  # both engines benched
+    assert all(e["message"] == "RuntimeError: no room for the graphs" for e in failed)
+    assert [e["type"] for e in events].count("run") > 0 and events[-1]["type"] == "summary"
+
+
 def test_engine_choice_and_unavailable_engines(make_client):
     with make_client(FakeFactory(available=("torch",))) as client:
         body = client.post("/bench", json={**BENCH, "repeats": 1}).json()
