@@ -88,7 +88,8 @@ class TorchExecutor:
         done = [d for d in self._coming if d.capturing.done()]
         if not done:
             return
-        self._coming = [d for d in self._coming if not d.capturing.done()]
+        # By `done`, not asking again: one that finishes in between comes next launch.
+        self._coming = [d for d in self._coming if d not in done]
         ready = [d for d in done if d.capturing.exception() is None]
         if ready:
             self._use(ready[-1])
