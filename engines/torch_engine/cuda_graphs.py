@@ -346,12 +346,15 @@ class GraphDecoder:
         self.capturing = run_beside(capture, "duet-capture", CAPTURE_SWITCH_INTERVAL_S)
         return self.capturing
 
-    def abandon(self, wait: bool = True) -> None:
-        """Stop a capture under way (between two graphs) and wait for its thread (unless
-        told not to): the engine is closing, and its memory must be free when this
-        returns."""
+    def stop(self) -> None:
+        """Tell a capture under way to stop between two graphs (abandon() also waits)."""
         self._abandoned.set()
-        if wait and self.capturing is not None:
+
+    def abandon(self) -> None:
+        """Stop a capture under way (between two graphs) and wait for its thread: the engine
+        is closing, and its memory must be free when this returns."""
+        self.stop()
+        if self.capturing is not None:
             with contextlib.suppress(BaseException):
                 self.capturing.result()
 

@@ -154,9 +154,10 @@ class TorchEngine(GenerationEngine):
             first = interim.warm_up_beside() if interim is not None else None
             self.compiled = decoder.warm_up_beside(after=first)
             self.decoder, self.interim = decoder, interim
-            # Once the compiled graphs serve, the interim ones' memory is let go (the
-            # executor drops them at its switch).
-            self.compiled.add_done_callback(self._drop_interim)
+            if interim is not None:
+                # Once the compiled graphs serve, the interim ones' memory is let go (the
+                # executor drops them at its switch).
+                self.compiled.add_done_callback(self._drop_interim)
         log.info("torch engine loaded %s on %s (%s) in %.1fs; %s; warm-up took %.2fs",
                  model_dir, self.device, self.dtype, loaded, shape.describe(), warmed)
 
@@ -227,7 +228,7 @@ class TorchEngine(GenerationEngine):
         # compiled capture, waiting for the interim one, then never begins.
         decoders = [d for d in (self.interim, self.decoder) if d is not None]
         for decoder in decoders:
-            decoder.abandon(wait=False)
+            decoder.stop()
         for decoder in decoders:
             decoder.abandon()
         self.model = None
