@@ -28,9 +28,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
 # int4-triton: duet's own int4 kernel (int4_kernel.py, DUET_INT4_KERNEL=triton), beside
 # tinygemm's (int4)
-# fp8: the compiled weight read below 16 rows, torch._scaled_mm from 16 (DUET_FP8_KERNEL=aten);
-# fp8-triton: duet's fp8 kernel for 16-64 rows instead (fp8_kernel.py, the default on Hopper)
-FORMATS = ("bf16", "int8", "int4", "int4-triton", "fp8", "fp8-triton")
+# fp8: the compiled weight read at one row, torch._scaled_mm from two (DUET_FP8_KERNEL=aten);
+# fp8-triton: duet's fp8 kernel for 2-64 rows instead (fp8_kernel.py, the default on Hopper);
+# int8-read, fp8-read: the weight-read expression at every row count (what int8 and fp8 layers
+# ran below 17 and 16 rows until 2026-11-27)
+FORMATS = ("bf16", "int8", "int4", "int4-triton", "fp8", "fp8-triton", "int8-read", "fp8-read")
 
 
 def microseconds(fn, x, n: int = 20) -> float:
@@ -132,6 +134,22 @@ def report(kind: str, n: int, k: int, rows: int, plans: dict, weight: int) -> No
         f"{key} {v:.1f} us ({weight / v / 1e3:.0f} GB/s)" for v, key in best), flush=True)
 
 
+def weight_read(linear, fmt: str):
+    """`linear(x, w.to(dtype)) * scale` of the layer's int8 or fp8 weight, at any rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from engines.torch_engine import quant
+
+    q, scale = (quant.quantize_int8 if fmt == "int8" else quant.quantize_fp8)(linear.weight)
+
+    class WeightRead(torch.nn.Module):
+        def forward(self, x):
+            return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+
+    return WeightRead()
+
+
 def weight_bytes(fmt: str, n: int, k: int, group: int = 64) -> int:
     if fmt == "bf16":
         return 2 * n * k
@@ -154,8 +172,15 @@ def main() -> int:
                    help="duet's fp8 kernel in each tiling of FP8_PLANS too")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help=f"these of {','.join(FORMATS)} (bf16 always)")
+    p.add_argument("--as-served", action="store_true",
+                   help="Inductor configured as the decode step is (coordinate-descent tuning: "
+                   "one-row weight reads become reductions)")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/quant-layers.json")
     args = p.parse_args()
+    if args.as_served:
+        from engines.torch_engine.cuda_graphs import configure_inductor
+
+        configure_inductor()
     # Every layer of a class shares its forward's code: past Dynamo's default of 8 compiled
     # versions of it, the later shapes would run eagerly (the 4096 x 4096 layer did, 3x slow).
     torch._dynamo.config.recompile_limit = 64
@@ -166,7 +191,9 @@ def main() -> int:
         linear = torch.nn.Linear(k, n, bias=False).cuda().bfloat16()
         layers = {"bf16": linear}
         for fmt in formats[1:]:
-            if fmt.startswith("fp8"):
+            if fmt.endswith("-read"):
+                layers[fmt] = weight_read(linear, fmt.split("-")[0])
+            elif fmt.startswith("fp8"):
                 layers[fmt] = quant.FP8Linear(linear, "triton" if "-" in fmt else "cuda", True)
             elif fmt == "int4-triton":
                 layers[fmt] = quant.Int4Linear(linear, "triton", 64)
@@ -188,6 +215,7 @@ def main() -> int:
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"
                 for f in formats), flush=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                    "as_served": args.as_served,
                                     "torch": torch.__version__, "results": results},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")

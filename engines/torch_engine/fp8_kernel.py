@@ -1,5 +1,5 @@
 """fp8 (e4m3) weights times fp8 activations on the tensor cores, in a Triton kernel of duet's
-own, for CUDA, for the 16 to 64 rows of a batched decode step (by default on Hopper GPUs; see
+own, for CUDA, for the 2 to 64 rows of a batched decode step (by default on Hopper GPUs; see
 wanted()).
 Also the activations' quantization in one kernel, for the eager prefill's products.
 

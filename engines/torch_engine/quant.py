@@ -15,10 +15,10 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
 - CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale`, which Inductor fuses
-  into one weight-reading kernel for the compiled decode step of a few rows; more rows on the
+  (int4_kernel.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale` for the compiled decode
+  step's one row, which Inductor makes one weight-reading kernel; two rows or more on the
   tensor cores, the activations quantized per row: int8 x int8 through torch._int_mm, fp8
-  (compute capability 8.9+) through torch._scaled_mm, or for 16-64 rows duet's kernel
+  (compute capability 8.9+) through torch._scaled_mm, or for up to 64 rows duet's kernel
   (fp8_kernel.py; by default on Hopper).
 - elsewhere (MPS, or a shape a kernel cannot take): dequantize for each call. Correct anywhere;
   memory is still the quantized bytes.
@@ -33,8 +33,16 @@ from torch import nn
 from ..quantization import DEFAULT_GROUP, Quantization
 from . import fp8_kernel, int4_kernel
 
-# Below this many rows an fp8 or int8 layer on CUDA is a weight read (decode); at or above,
-# tensor-core math on activations quantized per row. (torch._int_mm wants more than 16 rows.)
+# An fp8 or int8 layer on CUDA reads its weight as stored for one row of the compiled decode
+# step: there Inductor makes `linear(x, w.to(dtype))` a reduction over the stored weight (its
+# one-row decomposition under coordinate-descent tuning). From two rows the product runs on the
+# tensor cores, the activations quantized per row: Inductor compiles the expression of 2-15 rows
+# into the weight widened to bfloat16 whole, then a GEMM (every step of the 8B shape wrote 16 GB,
+# and its LM head's 1 GiB buffer ran a GPU shared by two servers out of memory while capturing).
+# Eager calls take the tensor cores at any rows, for the same reason.
+TENSOR_CORE_ROWS = 2
+# Rows ATen's kernels are given at least, fewer padded with zero rows: torch._int_mm wants more
+# than 16; torch._scaled_mm is given 16, where it was measured.
 SCALED_MM_ROWS = 16
 INT_MM_ROWS = 17
 FP8_MAX = 448.0
@@ -139,6 +147,18 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+def on_tensor_cores(rows: int) -> bool:
+    """Whether an fp8 or int8 product of this many rows on CUDA quantizes its activations for
+    the tensor cores rather than reading its weight as stored (see TENSOR_CORE_ROWS)."""
+    return rows >= TENSOR_CORE_ROWS or not torch.compiler.is_compiling()
+
+
+def _padded(x2: torch.Tensor, rows: int) -> torch.Tensor:
+    """x2 [M, K] with zero rows added up to `rows` (their products are sliced off after)."""
+    m = x2.shape[0]
+    return x2 if m >= rows else F.pad(x2, (0, 0, 0, rows - m))
+
+
 class Int8Linear(QuantLinear):
     format = "int8"
 
@@ -156,7 +176,8 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cuda":
-            if _rows(x) >= INT_MM_ROWS and self.in_features % 8 == 0 and self.out_features % 8 == 0:
+            if (on_tensor_cores(_rows(x)) and self.in_features % 8 == 0
+                    and self.out_features % 8 == 0):
                 return self._finish(self._int8_tensor_cores(x), x)
             return self._finish(F.linear(x, self.qweight.to(x.dtype)) * self.scale, x)
         if self.kernel == "cpu":
@@ -171,10 +192,12 @@ class Int8Linear(QuantLinear):
         tensor cores (the weight-only expression, fused by Inductor for a few rows, compiled
         for 64 rows into a kernel that took 1 s a step for an 8B model on an H100)."""
         x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        x2 = _padded(x2, INT_MM_ROWS)
         x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp(min=1e-10)
         x8 = torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8)
         acc = torch._int_mm(x8, self.qweight.t())
-        return acc.float() * x_scale * self.scale.float()
+        return (acc.float() * x_scale * self.scale.float())[:rows]
 
 
 class Int4Linear(QuantLinear):
@@ -241,18 +264,21 @@ class FP8Linear(QuantLinear):
         if self.kernel not in ("cuda", "triton"):
             return self._dequant_linear(x, dequantize_fp8(self.weight8, self.scale))
         rows = _rows(x)
-        if self.tensor_cores and rows >= SCALED_MM_ROWS:
+        if self.tensor_cores and on_tensor_cores(rows):
             x2 = x.reshape(-1, self.in_features)
+            kernel = self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS
+            if not kernel:
+                x2 = _padded(x2, SCALED_MM_ROWS)
             # Eager (a prefill): one kernel instead of the expression's five or six launches;
             # the compiled decode step fuses the expression itself.
             fused = (x.is_cuda and not torch.compiler.is_compiling()
                      and fp8_kernel.triton is not None)
             x8, x_scale = fp8_kernel.quantize_rows(x2) if fused else quantize_rows(x2)
-            if self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS:
+            if kernel:
                 y = torch.ops.duet.fp8_mm(x8, x_scale, self.weight8, self.scale)
             else:
                 y = torch._scaled_mm(x8, self.weight8.t(), scale_a=x_scale,
-                                     scale_b=self.scale[None, :], out_dtype=x.dtype)
+                                     scale_b=self.scale[None, :], out_dtype=x.dtype)[:rows]
             return self._finish(y, x)
         return self._finish(F.linear(x, self.weight8.to(x.dtype)) * self.scale.to(x.dtype), x)
 

@@ -209,9 +209,10 @@ def check_quantize_rows(device: str = "cpu") -> None:
 
 
 def check_fp8_layer(device: str = "cpu") -> None:
-    """An fp8 layer of 16 rows or more on the kernel computes what torch._scaled_mm's path
-    computes from the same quantized activations, within the activations' fp8 rounding of the
-    dequantized layer, and a row the same bits alone as beside others of its tile."""
+    """An fp8 layer on the kernel computes what torch._scaled_mm's path computes from the same
+    quantized activations, within the activations' fp8 rounding of the dequantized layer, and
+    a row the same bits in a batch of 3 or 17 as beside others (a few rows take the kernel
+    too, not the weight read)."""
     from engines.torch_engine import quant
 
     torch.manual_seed(1)
@@ -225,6 +226,7 @@ def check_fp8_layer(device: str = "cpu") -> None:
     tol = 0.08 * want.float().abs().max().item()  # e4m3 activations: 3 bits of mantissa
     assert (got.float() - want.float()).abs().max().item() <= tol
     assert torch.equal(fast(x[:17].to(device)).cpu(), got[:17])
+    assert torch.equal(fast(x[:3].to(device)).cpu(), got[:3])
 
 
 def check_borders(device="cpu") -> None:
