@@ -10,12 +10,17 @@ With --fp8-plans, duet's fp8 kernel likewise in each tiling of FP8_PLANS (72). W
 int4_kernel.plan() picks (the kernel's tuning, measured in one call).
 
   python scripts/probe_quant_layers.py --rows 1,16,64 --int4-plans
+
+With --eager, the layers uncompiled at a prefill's rows (the host's share too):
+
+  python scripts/probe_quant_layers.py --eager --rows 128,512,2048 --formats fp8-triton,int8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,6 +46,34 @@ def microseconds(fn, x, n: int = 20) -> float:
     from bench_all_reduce import capture, timed
 
     return timed(capture(lambda: [fn(x) for _ in range(n)]), x.device) * 1000 / n
+
+
+def eager_microseconds(fn, x, n: int = 60) -> dict[str, float]:
+    """One eager call (as the prefill runs them): `wall` in a loop paced by the host, `host`
+    the host's share alone (the calls queued behind a long GPU sleep), `gpu` inside a CUDA
+    graph. A layer whose wall is its host time holds the GPU idle between products."""
+    import time
+
+    import torch
+
+    for _ in range(5):
+        fn(x)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(n):
+            fn(x)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - started) / n * 1e6)
+    torch.cuda._sleep(int(2e9))  # about a second of GPU cycles: every call below waits behind
+    started = time.perf_counter()
+    for _ in range(n):
+        fn(x)
+    host = (time.perf_counter() - started) / n * 1e6
+    torch.cuda.synchronize()
+    return {"wall": round(statistics.median(walls), 1), "host": round(host, 1),
+            "gpu": round(microseconds(fn, x), 1)}
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) tried by --int4-plans at a few rows (BLOCK_M 16)
@@ -175,6 +208,9 @@ def main() -> int:
     p.add_argument("--as-served", action="store_true",
                    help="Inductor configured as the decode step is (coordinate-descent tuning: "
                    "one-row weight reads become reductions)")
+    p.add_argument("--eager", action="store_true",
+                   help="the layers uncompiled, as a prefill runs them: wall, host and GPU "
+                   "microseconds a call")
     p.add_argument("--out", type=Path, default=ROOT / "docs/bench/quant-layers.json")
     args = p.parse_args()
     if args.as_served:
@@ -202,6 +238,14 @@ def main() -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "rows": rows}
+            if args.eager:
+                for fmt, layer in layers.items():
+                    row[fmt] = eager_microseconds(layer, x)
+                results.append(row)
+                print(f"N={n} K={k} rows={rows}, eager wall / host / GPU us: " + " | ".join(
+                    f"{f} {row[f]['wall']:.0f} / {row[f]['host']:.0f} / {row[f]['gpu']:.0f}"
+                    for f in formats), flush=True)
+                continue
             for fmt, layer in layers.items():
                 row[fmt] = round(microseconds(torch.compile(layer), x), 1)
             if args.int4_plans:
@@ -215,7 +259,7 @@ def main() -> int:
                 f"{f} {row[f]:.1f} us ({weight_bytes(f, n, k) / row[f] / 1e3:.0f} GB/s)"
                 for f in formats), flush=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                    "as_served": args.as_served,
+                                    "as_served": args.as_served, "eager": args.eager,
                                     "torch": torch.__version__, "results": results},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")

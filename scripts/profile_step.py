@@ -111,6 +111,9 @@ def main() -> int:
     parser.add_argument("--prefill-kernels", action="store_true",
                         help="torch.profiler over the prompts' prefill too")
     parser.add_argument("--no-kernels", action="store_true", help="skip torch.profiler")
+    parser.add_argument("--quantize", default=None, help="int8, int4 or fp8 weights")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help="prompt tokens a step prefills (default: 512 or one prompt)")
     parser.add_argument("--mask-threads", type=int, default=None,
                         help="llguidance's threads for the grammar masks (its default: 80%% "
                              "of the CPUs)")
@@ -124,7 +127,7 @@ def main() -> int:
     started = time.perf_counter()
     engine = TorchEngine(path, context_length=args.context, dtype="bfloat16",
                          compile=args.compile, max_batch=max(batches),
-                         tensor_parallel=args.tensor_parallel)
+                         tensor_parallel=args.tensor_parallel, quantize=args.quantize or "auto")
     engine.wait_compiled()
     print(f"load {time.perf_counter() - started:.1f} s", flush=True)
     for feature in args.feature.split(","):
@@ -140,7 +143,8 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
 
     from engines.runtime.runtime import Runtime, Submission
 
-    runtime = Runtime(engine, max_batch=b, max_prefill_tokens=max(512, args.prompt_tokens))
+    runtime = Runtime(engine, max_batch=b, max_prefill_tokens=args.max_prefill_tokens
+                      or max(512, args.prompt_tokens))
     timer = Timer()
     ex = runtime.executor
     timer.wrap(ex, "launch", "executor.launch")

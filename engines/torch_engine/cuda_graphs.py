@@ -41,12 +41,13 @@ CAPTURE_SWITCH_INTERVAL_S = 1e-4
 
 def interim_wanted() -> bool:
     """Whether a load whose decode step is compiled serves through graphs of eager ops while
-    that step is made (DUET_INTERIM_GRAPHS=1; opt-in). Measured on an H100 (2026-11-27): the
-    interim graphs captured in 0.6-7.4 s and the compiled ones followed in-process, but in
-    the one server start measured with a stream running, the compile had not ended after 255
-    s (111-184 s without them): the faster stream takes its share of the GIL from the
-    compiler, which has yet to be weighed against the stream's gain."""
-    return os.environ.get("DUET_INTERIM_GRAPHS") == "1"
+    that step is made (by default; DUET_INTERIM_GRAPHS=0 keeps the eager steps). Measured on an
+    H100 (2026-11-27, 1B shape, a stream through each start, one cache): on warm starts the
+    stream ran at 340-435 tok/s while compiling against 16-37 with eager steps, its longest
+    pause 311-342 ms against 448-531, and the compiled step came as soon (33.8 s against 35.7
+    once no tuning was left); a cold start compiled in 169 s (112-184 s without, other
+    machines)."""
+    return os.environ.get("DUET_INTERIM_GRAPHS", "1") != "0"
 # Columns of the input buffer before a row's block table. SOURCE: where a PENDING token is in
 # the last step's picks (-1: the token is in TOKEN).
 TOKEN, POSITION, WRITE, SOURCE, TABLE = 0, 1, 2, 3, 4

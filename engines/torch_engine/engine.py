@@ -43,7 +43,7 @@ COMPILE_MODES = ("auto", "on", "off")  # auto/on: CUDA graphs on CUDA
 class TorchEngine(GenerationEngine):
     name = "torch"
     ranks = None  # the other ranks under tensor parallelism (ranks.RankGroup)
-    # Graphs of eager ops serving while the compiled ones are made (DUET_INTERIM_GRAPHS=1).
+    # Graphs of eager ops serving while the compiled ones are made (DUET_INTERIM_GRAPHS=0: none).
     interim = None
     _own_read = float("-inf")  # when rank_status() last read this rank's memory
 
@@ -111,10 +111,10 @@ class TorchEngine(GenerationEngine):
         beside = self.ranks is None
         decoder = make_decoder(self.model, self.kv, self.device, compile, shape.max_batch,
                                capture=not beside)
-        # Opt-in: while a compiled step is made (half a minute warm, minutes cold), graphs of
-        # eager ops serve: captured first (seconds), they replay a step at a few GIL
-        # hand-overs, where an eager step takes hundreds, each a wait while the compiler holds
-        # the GIL.
+        # While a compiled step is made (half a minute warm, minutes cold), graphs of eager ops
+        # serve (DUET_INTERIM_GRAPHS=0: not): captured first (seconds), they replay a step at a
+        # few GIL hand-overs, where an eager step takes hundreds, each a wait while the
+        # compiler holds the GIL.
         interim = None
         if beside and decoder is not None and decoder.compiled:
             from .cuda_graphs import interim_wanted

@@ -242,10 +242,10 @@ def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
 
 
 def test_a_compiled_load_asked_for_interim_graphs_captures_them_first(tiny_dirs, monkeypatch):
-    """When the decode step is compiled and interim graphs are asked for
-    (DUET_INTERIM_GRAPHS=1), the load also makes a decoder of eager ops (compile off), whose
-    graphs are captured beside first; the compiled capture follows it. close() abandons both
-    captures and waits for them (the compiled one never began). Not asked for, no interim."""
+    """When the decode step is compiled the load by default also makes a decoder of eager ops
+    (compile off), whose graphs are captured beside first; the compiled capture follows it.
+    close() abandons both captures and waits for them (the compiled one never began).
+    DUET_INTERIM_GRAPHS=0: no interim."""
     from engines.torch_engine import engine as engine_module
 
     made = []
@@ -258,14 +258,14 @@ def test_a_compiled_load_asked_for_interim_graphs_captures_them_first(tiny_dirs,
 
     monkeypatch.setattr(engine_module, "make_decoder", make_decoder)
     monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
-    monkeypatch.delenv("DUET_INTERIM_GRAPHS", raising=False)
+    monkeypatch.setenv("DUET_INTERIM_GRAPHS", "0")
     plain = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
                         device="cpu", max_batch=4, compile="on")
     assert made == [("on", False)] and plain.interim is None
     plain.decoder.graphs.gate.set()
     plain.close()
     made.clear()
-    monkeypatch.setenv("DUET_INTERIM_GRAPHS", "1")
+    monkeypatch.delenv("DUET_INTERIM_GRAPHS")
     engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32",
                          device="cpu", max_batch=4, compile="on")
     assert made == [("on", False), ("off", False)]
