@@ -116,6 +116,18 @@ def test_int8_layer_in_float32_activations_keeps_its_dtype():
     assert torch.allclose(y, F.linear(x, _reference("int8", layer, 64)), atol=0.02, rtol=0.02)
 
 
+def _rowwise_scaled_mm_on_cpu() -> bool:
+    """Whether this torch's CPU torch._scaled_mm takes one scale a row (2.11's took one for the
+    whole tensor only)."""
+    w8 = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(w8, w8.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _quantized_rows(x, levels):
     """x's rows as the tensor-core paths quantize them (absmax / levels a row), in float32."""
     x = x.float()
@@ -132,6 +144,8 @@ def test_cuda_layer_of_a_few_rows_takes_the_tensor_cores_padded(monkeypatch, fmt
     rows ATen's kernel takes (torch._int_mm wants more than 16); only the compiled step's one
     row reads the weight as stored. (A compiled 2-15 row weight read widened the whole weight
     to bfloat16 every step.)"""
+    if fmt == "fp8" and not _rowwise_scaled_mm_on_cpu():
+        pytest.skip("this torch's CPU torch._scaled_mm takes per-tensor scales only")
     layer = _linear(96, 128)
     q = (quant.Int8Linear(layer, "cuda") if fmt == "int8"
          else quant.FP8Linear(layer, "cuda", tensor_cores=True))
@@ -313,8 +327,10 @@ def test_cuda_layer_computes_what_its_dequantized_weight_computes(fmt, rows):
     layer = _linear(512, 1024).cuda()
     ref_w = _reference(fmt, layer, group)
     q = quant.quantize_linear(layer, Quantization(fmt, group), "cuda")
-    assert q.kernel == "cuda"
-    x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
+    assert q.kernel in ("cuda", "triton")  # triton: duet's fp8 kernel, the default on Hopper
+    # drawn on the CPU: on torch 2.11 the CUDA generator refused an offset here in a full run
+    # ("Offset increment outside graph capture")
+    x = torch.randn(rows, 1024).to("cuda", torch.bfloat16)
     expected = F.linear(x.float(), ref_w)
     got = q(x)
     # int8 and fp8 on the tensor cores also quantize the activations: every eager call, and
