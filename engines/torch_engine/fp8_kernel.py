@@ -1,7 +1,6 @@
 """fp8 (e4m3) weights times fp8 activations on the tensor cores, in a Triton kernel of duet's
 own, for CUDA, for the 2 to 64 rows of a batched decode step (by default on Hopper GPUs; see
 wanted()).
-Also the activations' quantization in one kernel, for the eager prefill's products.
 
 Why: measured on an H100 (probe_quant_layers.py, 2026-11-26), torch._scaled_mm at 64 rows took
 47 us for the 8B down projection [4096 x 14336], as long as bf16's, reading its weight at 1.25
@@ -69,29 +68,6 @@ if triton is not None:
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-    @triton.jit
-    def _quantize_rows_kernel(X, X8, XScale, K, BLOCK: tl.constexpr):
-        """One row a program: XScale[row] = max |X[row]| / 448 (at least 1e-12), X8[row] =
-        X[row] / XScale[row] in e4m3, rounded to nearest even: quant.quantize_rows' values bit
-        for bit (an IEEE division, not Triton's approximate one)."""
-        row = tl.program_id(0)
-        top = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, K, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-            top = tl.maximum(top, tl.abs(x))
-        # div_rn here too: Triton's `/` is the GPU's approximate division (scales 1 ulp off
-        # torch's for random rows, measured on an H100).
-        largest = tl.max(top, axis=0)
-        scale = tl.maximum(tl.math.div_rn(largest, largest * 0.0 + 448.0), 1e-12)
-        for start in range(0, K, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-            x8 = tl.clamp(tl.math.div_rn(x, scale + tl.zeros_like(x)), -448.0, 448.0)
-            tl.store(X8 + row * K + offs, x8.to(X8.dtype.element_ty), mask=offs < K)
-        tl.store(XScale + row, scale)
-
-
 def plan(m: int, n: int, k: int) -> Plan:
     """Tiles of 64 rows, not split, 4 warps. Measured on an H100 at 16 and 64 rows over 54
     tilings of each 8B layer, sums promoted every 128 inputs (probe_quant_layers.py
@@ -137,17 +113,6 @@ def fp8_mm(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor,
 @fp8_mm.register_fake
 def _(x8, x_scale, weight8, scale):
     return x8.new_empty(x8.shape[0], weight8.shape[0], dtype=torch.bfloat16)
-
-
-def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant.quantize_rows in one kernel, for the eager prefill: the torch expression is five
-    or six kernels a layer there, launched by the host one by one (the compiled decode step
-    fuses it by itself)."""
-    m, k = x2.shape
-    x8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
-    x_scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
-    _quantize_rows_kernel[(m,)](x2.contiguous(), x8, x_scale, k, BLOCK=1024)
-    return x8, x_scale
 
 
 def launch(x8: torch.Tensor, x_scale: torch.Tensor, weight8: torch.Tensor, scale: torch.Tensor,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantization import DEFAULT_GROUP, Quantization
-from . import fp8_kernel, int4_kernel
+from . import fp8_kernel, int4_kernel, row_quant
 
 # An fp8 or int8 layer on CUDA reads its weight as stored for one row of the compiled decode
 # step: there Inductor makes `linear(x, w.to(dtype))` a reduction over the stored weight (its
@@ -194,8 +194,8 @@ class Int8Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         x2 = _padded(x2, INT_MM_ROWS)
-        x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp(min=1e-10)
-        x8 = torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8)
+        x8, x_scale = (row_quant.quantize_rows(x2, "int8") if row_quant.available(x2)
+                       else quantize_rows_int8(x2))
         acc = torch._int_mm(x8, self.qweight.t())
         return (acc.float() * x_scale * self.scale.float())[:rows]
 
@@ -269,11 +269,8 @@ class FP8Linear(QuantLinear):
             kernel = self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS
             if not kernel:
                 x2 = _padded(x2, SCALED_MM_ROWS)
-            # Eager (a prefill): one kernel instead of the expression's five or six launches;
-            # the compiled decode step fuses the expression itself.
-            fused = (x.is_cuda and not torch.compiler.is_compiling()
-                     and fp8_kernel.triton is not None)
-            x8, x_scale = fp8_kernel.quantize_rows(x2) if fused else quantize_rows(x2)
+            x8, x_scale = (row_quant.quantize_rows(x2, "fp8") if row_quant.available(x2)
+                           else quantize_rows(x2))
             if kernel:
                 y = torch.ops.duet.fp8_mm(x8, x_scale, self.weight8, self.scale)
             else:
@@ -287,6 +284,13 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] to e4m3 with one float32 scale a row [M, 1] (absmax / 448)."""
     x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
+
+
+def quantize_rows_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] to int8 with one float32 scale a row [M, 1] (absmax / 127, rounded
+    half to even)."""
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp(min=1e-10)
+    return torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8), x_scale
 
 
 def quantize_linear(linear: nn.Linear, config: Quantization, device: str,

@@ -189,8 +189,9 @@ def check_quantize_rows(device: str = "cpu") -> None:
     e4m3 values bit for bit: rows of values the format holds exactly (each row's largest 448
     times its scale), a row of zeros, rows longer than the kernel's block; and on a GPU random
     rows too (Triton's interpreter rounds float32 to e4m3 wrongly where the rounding carries into
-    the exponent: 124.9 -> 64)."""
-    from engines.torch_engine import fp8_kernel, quant
+    the exponent: 124.9 -> 64). Its int8 form gives quant.quantize_rows_int8's, random rows
+    (halves rounded to even among them) and zeros."""
+    from engines.torch_engine import quant, row_quant
 
     torch.manual_seed(0)
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -202,10 +203,19 @@ def check_quantize_rows(device: str = "cpu") -> None:
     if device != "cpu":
         cases.append((torch.randn(7, 4096) * torch.logspace(-3, 2, 7)[:, None]).to(torch.bfloat16))
     for x in cases:
-        got8, got_scale = fp8_kernel.quantize_rows(x.to(device))
+        got8, got_scale = row_quant.quantize_rows(x.to(device), "fp8")
         want8, want_scale = quant.quantize_rows(x)
         assert torch.equal(got_scale.cpu(), want_scale)
         assert torch.equal(got8.cpu().view(torch.uint8), want8.view(torch.uint8))
+    halves = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.0]])
+    for x in (halves.to(torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16),
+              (torch.randn(5, 2500) * torch.logspace(-3, 2, 5)[:, None]).to(torch.bfloat16)):
+        got8, got_scale = row_quant.quantize_rows(x.to(device), "int8")
+        want8, want_scale = quant.quantize_rows_int8(x)
+        assert torch.equal(got_scale.cpu(), want_scale)
+        assert torch.equal(got8.cpu(), want8)
+    assert quant.quantize_rows_int8(halves.to(torch.bfloat16))[0][0, 1:7].tolist() == [
+        0, 2, 2, 0, -2, -2]  # torch.round: halves to even
 
 
 def check_fp8_layer(device: str = "cpu") -> None:

@@ -131,8 +131,12 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "M": "i32", "N": "i32", "K": "i32"},
         {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "PRECISE_EVERY": 128},
         {"num_warps": 4, "num_stages": 6}),
-    ("fp8_kernel", "_quantize_rows_kernel"): (
-        {"X": PTR16, "X8": "*fp8e4nv", "XScale": "*fp32", "K": "i32"}, {"BLOCK": 1024}),
+    ("row_quant", "_quantize_rows_kernel", "fp8"): (
+        {"X": PTR16, "XQ": "*fp8e4nv", "XScale": "*fp32", "K": "i32"},
+        {"LEVELS": 448.0, "SMALLEST": 1e-12, "ROUND": False, "BLOCK": 1024}),
+    ("row_quant", "_quantize_rows_kernel", "int8"): (
+        {"X": PTR16, "XQ": "*i8", "XScale": "*fp32", "K": "i32"},
+        {"LEVELS": 127.0, "SMALLEST": 1e-10, "ROUND": True, "BLOCK": 1024}),
     ("int4_kernel", "_sum_splits_kernel"): (
         {"Parts": "*fp32", "Out": PTR16, "size": "i32"}, {"SPLIT_K": 4, "BLOCK": 1024}),
     ("nucleus_kernel", "_borders_kernel"): (
