@@ -1,6 +1,7 @@
 """A prefill's activations quantized per row in one Triton kernel (CUDA), for the tensor-core
 products of fp8 and int8 layers: the values and scales of quant.quantize_rows (e4m3) and
-quant.quantize_rows_int8 bit for bit.
+quant.quantize_rows_int8 bit for bit. Also int8's product scaled back in one kernel
+(scale_products), which the torch expression does in three passes over a float32 copy.
 
 Why: uncompiled, those torch expressions are five or six kernels (fp8) and about ten (int8)
 a product, each launched by the host, and an eager prefill of a short prompt is bound by the
@@ -50,6 +51,18 @@ if triton is not None:
         tl.store(XScale + row, scale)
 
 
+    @triton.jit
+    def _scale_products_kernel(Acc, XScale, Scale, Out, M, N, BLOCK: tl.constexpr):
+        """Out[m, n] = Acc[m, n] * XScale[m] * Scale[n] in float32 (in that order), stored in
+        Out's dtype: quant.Int8Linear's expression bit for bit."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * N
+        acc = tl.load(Acc + offs, mask=ok, other=0).to(tl.float32)
+        x_scale = tl.load(XScale + offs // N, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.load(Scale + offs % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + offs, (acc * x_scale * scale).to(Out.dtype.element_ty), mask=ok)
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether x's quantization runs in the kernel: on CUDA, eager (the compiled decode step
     fuses the torch expression itself), with Triton installed."""
@@ -66,3 +79,14 @@ def quantize_rows(x2: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
     _quantize_rows_kernel[(m,)](x2.contiguous(), xq, x_scale, k, LEVELS=levels,
                                 SMALLEST=smallest, ROUND=fmt == "int8", BLOCK=BLOCK)
     return xq, x_scale
+
+
+def scale_products(acc: torch.Tensor, x_scale: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """An int8 product's int32 sums [M, N] times its rows' scales [M, 1] and its columns' [N],
+    in `dtype`."""
+    m, n = acc.shape
+    out = torch.empty(m, n, dtype=dtype, device=acc.device)
+    _scale_products_kernel[(triton.cdiv(m * n, BLOCK),)](acc, x_scale.reshape(-1), scale, out,
+                                                         m, n, BLOCK=BLOCK)
+    return out

@@ -218,6 +218,28 @@ def check_quantize_rows(device: str = "cpu") -> None:
         0, 2, 2, 0, -2, -2]  # torch.round: halves to even
 
 
+def check_scale_products(device: str = "cpu") -> None:
+    """int8's product scaled back in one kernel gives Int8Linear's torch expression bit for
+    bit, in bfloat16 and float32 (its scale is the weight's dtype), for a size that is not a
+    multiple of the kernel's block. (Triton's interpreter cuts float32 to bfloat16 where the GPU
+    rounds to nearest: there within one bfloat16 step, the float32 results still exact.)"""
+    from engines.torch_engine import row_quant
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        acc = torch.randint(-2**20, 2**20, (19, 333), dtype=torch.int32)
+        x_scale = torch.rand(19, 1) * 0.01
+        scale = (torch.rand(333) * 0.01).to(dtype)
+        want = (acc.float() * x_scale * scale.float()).to(dtype)
+        got = row_quant.scale_products(acc.to(device), x_scale.to(device), scale.to(device), dtype)
+        assert got.dtype == dtype
+        if device == "cpu" and dtype == torch.bfloat16:
+            step = want.float().abs() * 2.0 ** -7
+            assert ((got.float() - want.float()).abs() <= step).all()
+        else:
+            assert torch.equal(got.cpu(), want)
+
+
 def check_fp8_layer(device: str = "cpu") -> None:
     """An fp8 layer on the kernel computes what torch._scaled_mm's path computes from the same
     quantized activations, within the activations' fp8 rounding of the dequantized layer, and
@@ -487,6 +509,7 @@ if __name__ == "__main__":
     check_fp8_mm(device=device)
     check_fp8_layer(device=device)
     check_quantize_rows(device=device)
+    check_scale_products(device=device)
     if device == "cpu":  # on a GPU, scripts/bench_all_reduce.py checks it over two
         # The interpreter runs a kernel's programs one after another: with 4 programs at most
         # the sums take the same paths as with 256 (one program, several, every one with its

@@ -36,7 +36,8 @@ def test_kernel_in_the_triton_interpreter():
 def test_kernel_on_cuda():
     from tests.engines.kernels_check import (check_borders, check_fp8_layer, check_fp8_mm,
                                              check_int4_layer, check_int4_mm, check_model,
-                                             check_op, check_quantize_rows, check_silu_mul)
+                                             check_op, check_quantize_rows, check_scale_products,
+                                             check_silu_mul)
 
     check_op(((torch.bfloat16, 2e-2), (torch.float32, 1e-5)), device="cuda")
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
@@ -46,6 +47,7 @@ def test_kernel_on_cuda():
     check_fp8_mm(device="cuda")
     check_fp8_layer(device="cuda")
     check_quantize_rows(device="cuda")
+    check_scale_products(device="cuda")
     check_model(window=None, device="cuda")
     check_model(window=8, device="cuda")
 
@@ -134,6 +136,9 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
     ("row_quant", "_quantize_rows_kernel", "fp8"): (
         {"X": PTR16, "XQ": "*fp8e4nv", "XScale": "*fp32", "K": "i32"},
         {"LEVELS": 448.0, "SMALLEST": 1e-12, "ROUND": False, "BLOCK": 1024}),
+    ("row_quant", "_scale_products_kernel"): (
+        {"Acc": "*i32", "XScale": "*fp32", "Scale": PTR16, "Out": PTR16, "M": "i32", "N": "i32"},
+        {"BLOCK": 1024}),
     ("row_quant", "_quantize_rows_kernel", "int8"): (
         {"X": PTR16, "XQ": "*i8", "XScale": "*fp32", "K": "i32"},
         {"LEVELS": 127.0, "SMALLEST": 1e-10, "ROUND": True, "BLOCK": 1024}),
