@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from engines.base import RequestStats, Step
+from engines.base import RequestStats, SamplingParams, Step
 from engines.runtime.runtime import Runtime, Submission
 from engines.torch_engine import TorchEngine
 
@@ -138,3 +138,42 @@ def run_together(runtime, jobs, join_at=None, record=lambda step: step.token_id,
         step += 1
         assert step < 1000
     return [got[i] for i in range(len(jobs))], [stats[i] for i in range(len(jobs))]
+
+
+# Prompts of mixed lengths for batches (the longest crosses pages), with GREEDY's lengths.
+BATCH_PROMPTS = [
+    [5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200],
+    [9],
+    [17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39,
+     40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53],
+    [100, 101, 102, 103, 104],
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79],
+]
+
+
+class ByteTokens:
+    """A tokenizer for engines built without files: ids are bytes, nothing ends a sequence."""
+
+    eos_token_ids = frozenset()
+
+    def decode(self, ids):
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def alone(engine, prompt, params):
+    return [e.token_id for e in engine.generate(prompt, params) if isinstance(e, Step)][:-1]
+
+
+GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 5, 11, 7)]
+
+
+def three_in_a_nine_block_pool(engine):
+    """Three requests that need 4 blocks each, their solo tokens, and a runtime whose pool
+    holds 9 blocks: the pool runs dry as they grow."""
+    from engines.runtime.kv import BlockPool
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    jobs = [(BATCH_PROMPTS[i], params) for i in (0, 3, 4)]
+    expected = [alone(engine, p, params) for p, _ in jobs]
+    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
+    return jobs, expected, Runtime(engine, max_batch=3, max_prefill_tokens=64)

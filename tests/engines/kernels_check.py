@@ -303,7 +303,7 @@ def tiny_engine(window: int | None, device: str):
     from engines.torch_engine.engine import TorchEngine
     from engines.torch_engine.loader import random_model
     from engines.torch_engine.paged import PagedKV
-    from tests.engines.test_batching import ByteTokens
+    from tests.engines.helpers import ByteTokens
 
     args = ModelArgs.from_hf(dict(
         model_type="mistral" if window else "llama", vocab_size=64, hidden_size=64,

@@ -6,41 +6,17 @@ import time
 
 import pytest
 
-from engines.base import SamplingParams, Step
+from engines.base import SamplingParams
 from engines.runtime.runtime import Runtime, Submission
 from engines.torch_engine import TorchEngine
-from tests.engines.helpers import run_together
+from tests.engines.helpers import BATCH_PROMPTS as PROMPTS
+from tests.engines.helpers import GREEDY, alone, run_together, three_in_a_nine_block_pool
 from tests.tiny_models import FAMILIES
-
-PROMPTS = [
-    [5, 70, 80, 90, 33, 44, 55, 66, 120, 7, 200],
-    [9],
-    [17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39,
-     40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53],
-    [100, 101, 102, 103, 104],
-    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79],
-]
-
-
-class ByteTokens:
-    """A tokenizer for engines built without files: ids are bytes, nothing ends a sequence."""
-
-    eos_token_ids = frozenset()
-
-    def decode(self, ids):
-        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 def engine_for(tiny_dirs, family, **options):
     return TorchEngine(tiny_dirs[family][0], context_length=96, dtype="float32", device="cpu",
                        **options)
-
-
-def alone(engine, prompt, params):
-    return [e.token_id for e in engine.generate(prompt, params) if isinstance(e, Step)][:-1]
-
-
-GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 5, 11, 7)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -76,18 +52,6 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dirs):
     assert alone(engine, PROMPTS[0], params[0]) != alone(
         engine, PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=99,
                                            ignore_eos=True))
-
-
-def three_in_a_nine_block_pool(engine):
-    """Three requests that need 4 blocks each, their solo tokens, and a runtime whose pool
-    holds 9 blocks: the pool runs dry as they grow."""
-    from engines.runtime.kv import BlockPool
-
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    jobs = [(PROMPTS[i], params) for i in (0, 3, 4)]
-    expected = [alone(engine, p, params) for p, _ in jobs]
-    engine.kv_pool = BlockPool(9, engine.kv_pool.block_size, engine.kv_pool.bytes_per_token)
-    return jobs, expected, Runtime(engine, max_batch=3, max_prefill_tokens=64)
 
 
 def test_a_pool_too_small_for_everyone_preempts_and_still_gives_solo_tokens(tiny_dirs):

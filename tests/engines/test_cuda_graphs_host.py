@@ -15,7 +15,8 @@ from engines.runtime.plan import PENDING
 from engines.runtime.runtime import Runtime
 from engines.torch_engine import TorchEngine, cuda_graphs
 from tests.engines.helpers import GatedGraphs, ReplayedGraphs, run_together
-from tests.engines.test_batching import GREEDY, PROMPTS, alone, three_in_a_nine_block_pool
+from tests.engines.helpers import BATCH_PROMPTS as PROMPTS
+from tests.engines.helpers import GREEDY, alone, three_in_a_nine_block_pool
 
 
 def test_buckets():
