@@ -206,6 +206,38 @@ def test_interim_graphs_serve_until_the_compiled_ones_arrive(tiny_dirs, monkeypa
     assert engine.kv_pool.used_blocks == 0
 
 
+def test_interim_graphs_serve_on_when_the_compiled_capture_fails(tiny_dirs, monkeypatch):
+    """A compiled step whose capture fails (out of memory, say) leaves the interim graphs
+    serving, not eager steps: requests get their solo tokens through them, the engine keeps the
+    interim decoder, and the runtime's status names the failure."""
+
+    class FailingGraphs(ReplayedGraphs):
+        def capture(self, step):
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    solo = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    interim = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                       graphs=ReplayedGraphs())
+    engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                              graphs=FailingGraphs())
+    engine.interim = interim
+    first = interim.warm_up_beside()
+    engine.compiled = engine.decoder.warm_up_beside(after=first)
+    engine.compiled.add_done_callback(engine._drop_interim)
+    assert isinstance(engine.compiled.exception(timeout=60), RuntimeError)
+    decoded = []
+    run = interim.run
+    interim.run = lambda rows, last=None: (decoded.append(len(rows)), run(rows, last))[1]
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
+    assert got == solo
+    assert decoded and runtime.pipelined and engine.interim is interim
+    status = runtime.status()
+    assert not status.compiling and "out of memory" in status.compile_error
+
+
 def test_the_load_warms_up_eagerly_then_captures_beside(tiny_dirs, monkeypatch):
     """A one-device load runs its warm-up generation eagerly, then starts the capture and
     returns: the engine serves while it goes on, says it is compiling, and decodes through the
