@@ -194,12 +194,11 @@ class Int8Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         x2 = _padded(x2, INT_MM_ROWS)
-        if row_quant.available(x2):  # eager: two kernels for the expression's ten and four
-            x8, x_scale = row_quant.quantize_rows(x2, "int8")
-            acc = torch._int_mm(x8, self.qweight.t())
-            return row_quant.scale_products(acc, x_scale, self.scale, x.dtype)[:rows]
-        x8, x_scale = quantize_rows_int8(x2)
+        fused = row_quant.available(x2)  # eager: two kernels for the expressions' ten and four
+        x8, x_scale = (row_quant.quantize_rows if fused else quantize_rows)(x2, "int8")
         acc = torch._int_mm(x8, self.qweight.t())
+        if fused:
+            return row_quant.scale_products(acc, x_scale, self.scale, x.dtype)[:rows]
         return (acc.float() * x_scale * self.scale.float())[:rows]
 
 
@@ -269,12 +268,12 @@ class FP8Linear(QuantLinear):
         rows = _rows(x)
         if self.tensor_cores and on_tensor_cores(rows):
             x2 = x.reshape(-1, self.in_features)
-            kernel = self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS
-            if not kernel:
+            own_kernel = self.kernel == "triton" and rows <= fp8_kernel.MAX_ROWS
+            if not own_kernel:
                 x2 = _padded(x2, SCALED_MM_ROWS)
-            x8, x_scale = (row_quant.quantize_rows(x2, "fp8") if row_quant.available(x2)
-                           else quantize_rows(x2))
-            if kernel:
+            x8, x_scale = (row_quant.quantize_rows if row_quant.available(x2)
+                           else quantize_rows)(x2, "fp8")
+            if own_kernel:
                 y = torch.ops.duet.fp8_mm(x8, x_scale, self.weight8, self.scale)
             else:
                 y = torch._scaled_mm(x8, self.weight8.t(), scale_a=x_scale,
@@ -283,17 +282,16 @@ class FP8Linear(QuantLinear):
         return self._finish(F.linear(x, self.weight8.to(x.dtype)) * self.scale.to(x.dtype), x)
 
 
-def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] to e4m3 with one float32 scale a row [M, 1] (absmax / 448)."""
-    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    return (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
-
-
-def quantize_rows_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] to int8 with one float32 scale a row [M, 1] (absmax / 127, rounded
-    half to even)."""
-    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp(min=1e-10)
-    return torch.round(x2.float() / x_scale).clamp(-127, 127).to(torch.int8), x_scale
+def quantize_rows(x2: torch.Tensor, fmt: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] quantized per row, with one float32 scale a row [M, 1]: fp8 to e4m3
+    (absmax / 448), int8 (absmax / 127, rounded half to even). The torch expression, which the
+    compiled decode step fuses; row_quant's kernel gives its bits eagerly on CUDA."""
+    levels, smallest, dtype = row_quant.FORMATS[fmt]
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / levels).clamp(min=smallest)
+    q = x2.float() / x_scale
+    if fmt == "int8":
+        q = torch.round(q)
+    return q.clamp(-levels, levels).to(dtype), x_scale
 
 
 def quantize_linear(linear: nn.Linear, config: Quantization, device: str,

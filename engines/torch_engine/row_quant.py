@@ -1,6 +1,6 @@
 """A prefill's activations quantized per row in one Triton kernel (CUDA), for the tensor-core
-products of fp8 and int8 layers: the values and scales of quant.quantize_rows (e4m3) and
-quant.quantize_rows_int8 bit for bit. Also int8's product scaled back in one kernel
+products of fp8 and int8 layers: the values and scales of quant.quantize_rows in either format
+bit for bit. Also int8's product scaled back in one kernel
 (scale_products), which the torch expression does in three passes over a float32 copy.
 
 Why: uncompiled, those torch expressions are five or six kernels (fp8) and about ten (int8)
@@ -15,7 +15,8 @@ import torch
 
 from .decode_attention import triton
 
-# The largest quantized magnitude and the least scale of each format (quant.py's expressions).
+# The largest quantized magnitude, the least scale and the dtype of each format (the kernel's
+# and quant.quantize_rows').
 FORMATS = {"fp8": (448.0, 1e-12, torch.float8_e4m3fn), "int8": (127.0, 1e-10, torch.int8)}
 BLOCK = 1024
 

@@ -189,7 +189,7 @@ def check_quantize_rows(device: str = "cpu") -> None:
     e4m3 values bit for bit: rows of values the format holds exactly (each row's largest 448
     times its scale), a row of zeros, rows longer than the kernel's block; and on a GPU random
     rows too (Triton's interpreter rounds float32 to e4m3 wrongly where the rounding carries into
-    the exponent: 124.9 -> 64). Its int8 form gives quant.quantize_rows_int8's, random rows
+    the exponent: 124.9 -> 64). Its int8 form gives quant.quantize_rows' int8 values, random rows
     (halves rounded to even among them) and zeros."""
     from engines.torch_engine import quant, row_quant
 
@@ -211,10 +211,10 @@ def check_quantize_rows(device: str = "cpu") -> None:
     for x in (halves.to(torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16),
               (torch.randn(5, 2500) * torch.logspace(-3, 2, 5)[:, None]).to(torch.bfloat16)):
         got8, got_scale = row_quant.quantize_rows(x.to(device), "int8")
-        want8, want_scale = quant.quantize_rows_int8(x)
+        want8, want_scale = quant.quantize_rows(x, "int8")
         assert torch.equal(got_scale.cpu(), want_scale)
         assert torch.equal(got8.cpu(), want8)
-    assert quant.quantize_rows_int8(halves.to(torch.bfloat16))[0][0, 1:7].tolist() == [
+    assert quant.quantize_rows(halves.to(torch.bfloat16), "int8")[0][0, 1:7].tolist() == [
         0, 2, 2, 0, -2, -2]  # torch.round: halves to even
 
 
