@@ -180,6 +180,11 @@ class EngineClosed(EngineError):
     request's routing and its start; nothing of the request ran, and a retry is routed anew."""
 
 
+class DeviceOutOfMemory(EngineError):
+    """The device ran out of memory running a step: the requests it carried fail, the others
+    go on, and a retry may fit (a 503, not a 500: nothing is wrong with the request)."""
+
+
 class Cancelled(Exception):
     """Work stopped because its caller asked it to (the client left, or its time ran out).
     Not an EngineError: nothing is wrong with the engine or the request."""

@@ -124,12 +124,16 @@ def cuda_capability(index: int) -> tuple[int, int]:
 
 
 def free_memory_bytes(device: str) -> int | None:
-    """Memory free for the KV cache on the device, now (after the weights loaded)."""
+    """Memory free for the KV cache on the device, now (after the weights loaded). On CUDA
+    what the driver has free plus what this process's allocator holds unused: blocks freed
+    since, such as a quantized model's float weights, count as free."""
     import torch
 
     if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
+        dev = torch.device(device)
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(free + max(cached, 0))
     if device == "mps":
         return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
     return int(psutil.virtual_memory().available)

@@ -9,7 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.base import BackendMissing, Cancelled, ContextLengthExceeded, EngineError
+from engines.base import (BackendMissing, Cancelled, ContextLengthExceeded, DeviceOutOfMemory,
+                          EngineError)
 from engines.runtime.kv import KVPoolTooSmall
 
 log = logging.getLogger("duet.server")
@@ -115,6 +116,8 @@ def from_engine_error(exc: EngineError, prompt_param: str = "messages") -> APIEr
         return APIError(400, str(exc), param="engine", code="engine_unavailable")
     if isinstance(exc, KVPoolTooSmall):  # it would wait for ever: the pool is never that free
         return APIError(400, str(exc), param="max_tokens", code="kv_cache_too_small")
+    if isinstance(exc, DeviceOutOfMemory):
+        return APIError(503, str(exc), type="server_error", code="out_of_memory")
     return APIError(503, str(exc), type="server_error", code="model_unavailable")
 
 

@@ -165,9 +165,10 @@ class GenerationService:
                             stats[choice.index] = batch[-1]
                 if include_usage:
                     yield sse(shape.usage_chunk([stats[c.index] for c in choices], req.n))
-            except APIError as exc:  # e.g. the time limit
-                log.warning("stream ended early: %s", exc.message)
-                yield sse(shape.error_event(exc.message, exc.type, exc.code))
+            except (APIError, EngineError) as exc:  # the time limit, the device's memory
+                err = exc if isinstance(exc, APIError) else from_engine_error(exc)
+                log.warning("stream ended early: %s", err.message)
+                yield sse(shape.error_event(err.message, err.type, err.code))
             except Exception as exc:
                 log.exception("generation failed mid-stream")
                 yield sse(shape.error_event(f"generation failed: {exc}"))

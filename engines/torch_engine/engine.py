@@ -280,6 +280,11 @@ def prepare_weights(model, quantization, device: str, compile: str, dtype: str) 
     weights' bytes (counted before oneDNN packs them: its packed weights are opaque)."""
     if quantization is not None:
         counts = quant.quantize_model(model, quantization, device)
+        if device.startswith("cuda"):
+            # The float weights' blocks go back to the driver: left in the allocator's cache
+            # they held an 8B model's 16 GB from other processes on the GPU (three servers
+            # beside each other ran out of memory so, 2026-11-27).
+            torch.cuda.empty_cache()
         log.info("weights quantized to %s: %s", quantization.describe(),
                  ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     weights_bytes = sum(t.numel() * t.element_size()

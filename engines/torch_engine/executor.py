@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base import DeviceOutOfMemory
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
 from .paged import PagedKV, build_batch
 from .processing import RowProcessor, StepProcessing
@@ -31,6 +32,15 @@ def prefill_attention(device: str):
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
+
+
+def out_of_memory(exc: torch.OutOfMemoryError) -> DeviceOutOfMemory:
+    """The step's requests fail with what ran out, in a line (torch's message goes on with
+    allocator advice meant for the server's operator, who finds it in the log)."""
+    first = str(exc).split(". ", 2)
+    return DeviceOutOfMemory(
+        f"the device ran out of memory running this request's step ({'. '.join(first[:2])}); "
+        "the server goes on: retry, or serve with a smaller --max-batch or KV cache")
 
 
 @dataclass
@@ -100,9 +110,11 @@ class TorchExecutor:
         try:
             return self._launch(plan)
         except Exception as exc:  # under tensor parallelism: gloo's when a rank is gone, or ours
-            if self.ranks is None:
-                raise
-            raise self.ranks.failed(exc, self._told) from exc
+            if self.ranks is not None:
+                raise self.ranks.failed(exc, self._told) from exc
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise out_of_memory(exc) from exc
+            raise
 
     def _launch(self, plan: StepPlan):
         self._settle()  # the last step's picks, which this step's PENDING rows read
@@ -203,6 +215,12 @@ class TorchExecutor:
         return self._last_read[self._last[1][seq_id]]
 
     def collect(self, handle: Launched) -> StepOutput:
+        try:
+            return self._collect(handle)
+        except torch.OutOfMemoryError as exc:  # the deferred draw's, or the scores' read-back
+            raise out_of_memory(exc) from exc
+
+    def _collect(self, handle: Launched) -> StepOutput:
         if not handle.due:
             return StepOutput({}, prompt_logprobs=handle.prompt_scores)
         if handle is self._deferred:  # no step launched since to draw it

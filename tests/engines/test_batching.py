@@ -5,8 +5,9 @@ seeded sampling gives a row the same draws alone and in a batch."""
 import time
 
 import pytest
+import torch
 
-from engines.base import SamplingParams
+from engines.base import SamplingParams, Step
 from engines.runtime.runtime import Runtime, Submission
 from engines.torch_engine import TorchEngine
 from tests.engines.helpers import BATCH_PROMPTS as PROMPTS
@@ -293,3 +294,47 @@ def test_the_mlx_warm_up_runs_a_join_a_sampled_row_and_a_leave(tiny_dirs, monkey
     # Then a wider prefill at once, as a burst of clients brings.
     rows = min(8, engine.max_batch)
     assert ("join", [64] * rows, 0, 0) in calls, calls
+
+
+def test_a_step_that_runs_the_device_out_of_memory_fails_its_requests_and_the_rest_go_on(
+        tiny_dirs, monkeypatch):
+    """torch's OutOfMemoryError in a step fails the requests that step carried with the
+    engine's DeviceOutOfMemory (the server's 503, not a 500), in a line without the allocator's
+    advice; the request already running keeps its tokens, and the next one is served."""
+    from engines.base import DeviceOutOfMemory
+
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    solo = [alone(engine, p, params) for p in PROMPTS]
+    runtime = Runtime(engine)
+    real, launches = runtime.executor._launch, []
+
+    def launch(plan):
+        launches.append([r.seq_id for r in plan.prefill])
+        if len(launches) == 3:  # the second request's prefill, beside the first's decode
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity "
+                "of 79.18 GiB of which 12.94 MiB is free. If reserved but unallocated memory "
+                "is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return real(plan)
+
+    monkeypatch.setattr(runtime.executor, "_launch", launch)
+    events = {i: [] for i in range(3)}
+    runtime.add(Submission(PROMPTS[0], params, events[0].append))
+    runtime.step()
+    runtime.step()
+    runtime.add(Submission(PROMPTS[1], params, events[1].append))
+    while runtime.has_work:
+        runtime.step()
+    failed = events[1][-1]
+    assert isinstance(failed, DeviceOutOfMemory) and len(events[1]) == 1
+    assert "ran out of memory" in str(failed) and "20.00 MiB" in str(failed)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in str(failed)
+    first = [e.token_id for e in events[0] if isinstance(e, Step)]
+    # The failed step carried the first request's decode row too: it failed with it, its
+    # tokens until then its solo ones.
+    assert first == solo[0][:len(first)]
+    runtime.add(Submission(PROMPTS[2], params, events[2].append))
+    while runtime.has_work:
+        runtime.step()
+    assert [e.token_id for e in events[2] if isinstance(e, Step)][:-1] == solo[2]

@@ -11,6 +11,7 @@ from engines.device import (
     choose_device,
     choose_dtype,
     cuda_visible,
+    free_memory_bytes,
     memory_meter,
 )
 
@@ -161,3 +162,14 @@ def test_the_cuda_meter_reads_the_allocators_peak(monkeypatch):
         meter.reset()
         block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
         assert meter.peak_bytes() == torch.cuda.max_memory_allocated() >= block.numel()
+
+
+def test_cuda_memory_the_allocator_holds_unused_counts_as_free(monkeypatch):
+    """A quantized model frees its float weights into the allocator's cache: the KV pool's
+    sizing must see them as free, not only what the driver reports."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 30 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 14 << 30)
+    assert free_memory_bytes("cuda:0") == (10 + 16) << 30
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 14 << 30)
+    assert free_memory_bytes("cuda:0") == 10 << 30

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from engines.base import DeviceOutOfMemory
 from engines.fake import FakeEngine
 from server.app import create_app
 from server.settings import Settings
@@ -82,6 +83,29 @@ def test_an_engine_failure_mid_stream_then_the_next_request_works(make_client):
         events = sse_events(client.post("/v1/chat/completions", json=chat("tiny", stream=True,
                                                                             max_tokens=50)).text)
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+class OutOfMemoryEngine(FakeEngine):
+    """The device runs out of memory: before the first request's first token, in the second's
+    third; later ones work."""
+
+    def before_token(self, request_no, index):
+        if (request_no, index) in ((0, 0), (1, 3)):
+            raise DeviceOutOfMemory("the device ran out of memory running this request's step")
+
+
+def test_the_device_out_of_memory_is_a_503_then_the_next_request_works(make_client):
+    with make_client(FakeFactory(engine_class=OutOfMemoryEngine)) as client:
+        err = assert_openai_error(client.post("/v1/chat/completions", json=chat("tiny")), 503,
+                                  code="out_of_memory")
+        assert "ran out of memory" in err["message"] and err["type"] == "server_error"
+        events = sse_events(client.post("/v1/chat/completions", json=chat(
+            "tiny", stream=True, max_tokens=50)).text)
+        assert events[-1] == "[DONE]"
+        err = assert_error_shape(events[-2])
+        assert err["code"] == "out_of_memory" and "ran out of memory" in err["message"]
+        body = client.post("/v1/chat/completions", json=chat("tiny", max_tokens=50)).json()
+        assert body["choices"][0]["message"]["content"] == FakeEngine().reply
 
 
 def start_server(tmp_path, models_file, reply_tokens, grace):
