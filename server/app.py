@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
+from engines import gc_pauses
 from engines.models.config import load_models_file
 from engines.runtime.sizing import RuntimeOptions
 
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        gc_pauses.watch()  # a long collection here stalls every stream: it is logged
         if settings.preload:
             engine = registry.default_engine(startup_model)
             log.info("loading %s on the %s engine", startup_model, engine)

@@ -24,9 +24,11 @@ Times (a request's arrival) are time.perf_counter(), one clock for every process
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from .. import gc_pauses
 from ..base import (
     Cancelled,
     EngineClosed,
@@ -217,6 +220,7 @@ def serve(commands, events, name: str, log_level: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    gc_pauses.watch()
     if prepare is not None:
         try:
             prepare()
@@ -242,9 +246,24 @@ def serve(commands, events, name: str, log_level: int,
         events.send(("failed", _portable(exc)))
         return
     child.engine = engine
+    freezing = os.environ.get("DUET_GC_FREEZE", "1") != "0"
+    compiling = isinstance(engine, GenerationEngine) and engine.compiled is not None
+    held = None
+    if freezing:  # the load's garbage freed first: what is frozen is never collected
+        gc.collect()
+        gc_pauses.freeze(f"the {name} engine loaded")
+        if compiling and not engine.compiled.done():
+            held = gc_pauses.hold_oldest()
     child._send(("loaded", description, child.loop.status()))
-    if isinstance(engine, GenerationEngine) and engine.compiled is not None:
-        engine.compiled.add_done_callback(lambda _: child.send_status())
+    if compiling:
+        def compiled(_) -> None:
+            if freezing:  # no collection first: it would stall the steps serving meanwhile
+                gc_pauses.freeze(f"the {name} engine's compiled step made")
+                if held is not None:
+                    gc_pauses.release(held)
+            child.send_status()
+
+        engine.compiled.add_done_callback(compiled)
     child.serve(commands)
 
 

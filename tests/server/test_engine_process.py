@@ -206,6 +206,44 @@ async def test_the_status_shows_an_engine_compiling_until_its_compiled_step_arri
         await worker.aclose(10)
 
 
+def frozen_objects(engine, should_stop) -> tuple[int, int]:
+    """What the child froze, and its oldest generation's threshold."""
+    import gc
+
+    return gc.get_freeze_count(), gc.get_threshold()[2]
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+async def test_an_engine_process_keeps_what_it_loaded_and_compiled_out_of_collections(
+        freeze, tmp_path, monkeypatch):
+    """gc.freeze() once the engine is loaded and again when its compiled step arrives, so a
+    collection never walks them mid-step, and no collection of the oldest generation while the
+    compiled step is made; DUET_GC_FREEZE=0 leaves the collector as it is."""
+    import gc
+
+    from engines.gc_pauses import HELD
+
+    monkeypatch.setenv("DUET_GC_FREEZE", freeze)
+    gate = tmp_path / "gate"
+    worker = EngineWorker("w", process=True)
+    await worker.load(partial(CompilesBeside, "fake", max_batch=4, gate=str(gate)))
+    try:
+        loaded, compiling_threshold = await worker.call("bench", frozen_objects)
+        assert (await run(worker, "abc"))[0] == "cba"
+        gate.touch()
+        assert await until(lambda: not worker.runtime_status()["compiling"])
+        compiled, threshold = await worker.call("bench", frozen_objects)
+        usual = gc.get_threshold()[2]
+        if freeze == "1":
+            assert loaded > 1000 and compiled > loaded  # what served the request since, too
+            assert (compiling_threshold, threshold) == (HELD, usual)
+        else:
+            assert loaded == compiled == 0
+            assert compiling_threshold == threshold == usual
+    finally:
+        await worker.aclose(10)
+
+
 @pytest.mark.parametrize("process", [False, True])
 async def test_the_status_says_why_a_compiled_step_failed(process, tmp_path):
     """The engine steps eagerly on; /health's status carries the error (and a benchmark that

@@ -1,0 +1,65 @@
+"""The garbage collector's pauses, timed, and freezing what a loaded engine holds."""
+
+import gc
+import logging
+import subprocess
+import sys
+import textwrap
+
+from engines import gc_pauses
+
+
+def test_each_collection_is_timed_by_generation_and_the_long_ones_are_logged(caplog):
+    ticks = iter([10.0, 10.004, 20.0, 20.05])
+    pauses = gc_pauses.Pauses(log_over_s=0.01, clock=lambda: next(ticks))
+    with caplog.at_level(logging.INFO, logger="duet.gc"):
+        pauses("start", {"generation": 0})
+        pauses("stop", {"generation": 0, "collected": 3})
+        pauses("start", {"generation": 2})
+        pauses("stop", {"generation": 2, "collected": 7})
+    young, _, old = pauses.snapshot()
+    assert (young.collections, round(young.longest_s, 6)) == (1, 0.004)
+    assert (old.collections, round(old.total_s, 6)) == (1, 0.05)
+    assert len(caplog.records) == 1  # only the 50 ms one
+    assert "generation-2" in caplog.text and "50.0 ms" in caplog.text
+
+
+def test_watch_installs_one_callback_that_sees_real_collections():
+    pauses = gc_pauses.watch()
+    try:
+        assert gc_pauses.watch() is pauses
+        assert sum(isinstance(c, gc_pauses.Pauses) for c in gc.callbacks) == 1
+        before = pauses.snapshot()[2].collections
+        gc.collect()
+        assert pauses.snapshot()[2].collections == before + 1
+    finally:
+        gc.callbacks.remove(pauses)
+
+
+def test_frozen_objects_are_left_out_of_collections():
+    """In a process of its own: a freeze is for good (the test process must not keep its
+    garbage)."""
+    code = textwrap.dedent("""
+        import gc
+        from engines import gc_pauses
+        kept = [[i] for i in range(50_000)]
+        frozen = gc_pauses.freeze("test")
+        assert frozen >= 50_000, frozen
+        tracked = len(gc.get_objects())
+        assert tracked < 50_000, tracked  # the frozen lists are no generation's any more
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=".", timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_oldest_generation_is_held_until_released():
+    saved = gc.get_threshold()
+    held = gc_pauses.hold_oldest()
+    try:
+        assert held == saved
+        assert gc.get_threshold() == (saved[0], saved[1], gc_pauses.HELD)
+    finally:
+        gc_pauses.release(held)
+    assert gc.get_threshold() == saved
