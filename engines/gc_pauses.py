@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 log = logging.getLogger("duet.gc")
@@ -50,6 +52,9 @@ class Pauses:
     by_generation: list[GenerationPauses] = field(
         default_factory=lambda: [GenerationPauses() for _ in range(3)])
     _started: float | None = None
+    # Holds of the oldest generation (engines compiling at once) and the thresholds before them.
+    holds: int = 0
+    saved: tuple[int, int, int] | None = None
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -92,13 +97,44 @@ def freeze(what: str) -> int:
     return frozen
 
 
-def hold_oldest() -> tuple[int, int, int]:
-    """No automatic collection of the oldest generation from now (the young ones go on);
-    returns the thresholds that release() restores."""
-    saved = gc.get_threshold()
-    gc.set_threshold(saved[0], saved[1], HELD)
-    return saved
+def hold_oldest() -> None:
+    """No automatic collection of the oldest generation until every hold is released (several
+    engines may compile at once); the young generations go on."""
+    pauses = watch()
+    if pauses.holds == 0:
+        pauses.saved = gc.get_threshold()
+        gc.set_threshold(pauses.saved[0], pauses.saved[1], HELD)
+    pauses.holds += 1
 
 
-def release(saved: tuple[int, int, int]) -> None:
-    gc.set_threshold(*saved)
+def release() -> None:
+    pauses = watch()
+    pauses.holds -= 1
+    if pauses.holds == 0 and pauses.saved is not None:
+        gc.set_threshold(*pauses.saved)
+        pauses.saved = None
+
+
+def freezing_wanted() -> bool:
+    """DUET_GC_FREEZE: 1 (the default) freezes; 0 leaves the collector as it is (the test suite,
+    which runs hundreds of engines in one process, whose garbage a freeze would keep)."""
+    return os.environ.get("DUET_GC_FREEZE", "1") != "0"
+
+
+def settle(what: str, compiled: Future | None) -> None:
+    """After a load: its garbage collected, then everything tracked frozen; if a compiled step
+    is still being made beside (`compiled`), the oldest generation held until it comes, then
+    frozen again (no collection first: it would stall the steps serving by then)."""
+    if not freezing_wanted():
+        return
+    gc.collect()
+    freeze(what)
+    if compiled is None or compiled.done():
+        return
+    hold_oldest()
+
+    def made(_) -> None:
+        freeze(f"{what}, its compiled step made")
+        release()
+
+    compiled.add_done_callback(made)

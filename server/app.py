@@ -71,6 +71,9 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
             engine = registry.default_engine(startup_model)
             log.info("loading %s on the %s engine", startup_model, engine)
             await registry.worker(startup_model, engine)
+        # What the server imported and loaded lives as long as it does: kept out of the
+        # collections that would otherwise walk it, stalling every stream (gc_pauses.py).
+        gc_pauses.settle("the server started", None)
         reaper = asyncio.create_task(registry.reap_forever())
         yield
         reaper.cancel()

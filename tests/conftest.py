@@ -3,6 +3,11 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs hundreds of servers and engines in one process: gc.freeze() after each load
+# (gc_pauses.settle) would keep every test's garbage for good. Its tests turn it on where they
+# check it, in processes of their own.
+os.environ["DUET_GC_FREEZE"] = "0"
+
 if os.environ.get("DUET_TINY_MODELS"):
     # Under mutation testing this module is imported once, by the process every per-mutant
     # pytest session is forked from: importing the reference models' code here (3 s) spares

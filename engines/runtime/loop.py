@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from .. import gc_pauses
 from ..base import Cancelled, EngineClosed, StopCheck
 from ..generation import GenerationEngine
 from .plan import RuntimeStatus
@@ -89,6 +90,8 @@ class EngineLoop:
         self.engine = engine
         if isinstance(engine, GenerationEngine):  # a classifier or an embedder has no batch
             self.runtime = Runtime(engine, **self._runtime_options)
+        gc_pauses.settle(f"the {self.name} engine loaded",
+                         engine.compiled if isinstance(engine, GenerationEngine) else None)
 
     def add(self, sub: Submission) -> None:
         """Queue a generation; it joins the running batch at the next step. Errors that it can

@@ -24,11 +24,9 @@ Times (a request's arrival) are time.perf_counter(), one clock for every process
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import threading
@@ -246,24 +244,9 @@ def serve(commands, events, name: str, log_level: int,
         events.send(("failed", _portable(exc)))
         return
     child.engine = engine
-    freezing = os.environ.get("DUET_GC_FREEZE", "1") != "0"
-    compiling = isinstance(engine, GenerationEngine) and engine.compiled is not None
-    held = None
-    if freezing:  # the load's garbage freed first: what is frozen is never collected
-        gc.collect()
-        gc_pauses.freeze(f"the {name} engine loaded")
-        if compiling and not engine.compiled.done():
-            held = gc_pauses.hold_oldest()
     child._send(("loaded", description, child.loop.status()))
-    if compiling:
-        def compiled(_) -> None:
-            if freezing:  # no collection first: it would stall the steps serving meanwhile
-                gc_pauses.freeze(f"the {name} engine's compiled step made")
-                if held is not None:
-                    gc_pauses.release(held)
-            child.send_status()
-
-        engine.compiled.add_done_callback(compiled)
+    if isinstance(engine, GenerationEngine) and engine.compiled is not None:
+        engine.compiled.add_done_callback(lambda _: child.send_status())
     child.serve(commands)
 
 

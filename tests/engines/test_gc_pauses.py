@@ -2,6 +2,7 @@
 
 import gc
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -54,12 +55,44 @@ def test_frozen_objects_are_left_out_of_collections():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_the_oldest_generation_is_held_until_released():
+def test_the_oldest_generation_is_held_until_every_hold_is_released():
     saved = gc.get_threshold()
-    held = gc_pauses.hold_oldest()
+    gc_pauses.hold_oldest()
     try:
-        assert held == saved
+        gc_pauses.hold_oldest()  # a second engine compiling at once
         assert gc.get_threshold() == (saved[0], saved[1], gc_pauses.HELD)
+        gc_pauses.release()
+        assert gc.get_threshold()[2] == gc_pauses.HELD
     finally:
-        gc_pauses.release(held)
+        gc_pauses.release()
     assert gc.get_threshold() == saved
+
+
+def test_a_load_is_settled_and_a_compile_beside_holds_the_oldest_generation_till_it_comes():
+    """In a process of its own, with DUET_GC_FREEZE=1 (the suite runs with 0)."""
+    code = textwrap.dedent("""
+        import gc
+        from concurrent.futures import Future
+        from engines import gc_pauses
+        usual = gc.get_threshold()
+        gc_pauses.settle("loaded, no compile", None)
+        first = gc.get_freeze_count()
+        assert first > 0 and gc.get_threshold() == usual
+        compiled = Future()
+        gc_pauses.settle("loaded", compiled)
+        assert gc.get_threshold()[2] == gc_pauses.HELD
+        made = [[i] for i in range(20_000)]  # the compile's objects
+        compiled.set_result(None)
+        assert gc.get_threshold() == usual
+        assert gc.get_freeze_count() >= first + 20_000
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "DUET_GC_FREEZE": "1"})
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_suite_runs_without_freezing():
+    gc_pauses.settle("a test's engine", None)
+    assert not gc_pauses.freezing_wanted()
+    assert gc.get_freeze_count() == 0
