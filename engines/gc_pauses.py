@@ -19,6 +19,7 @@ logged, and `snapshot()` gives the counts."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -55,6 +56,7 @@ class Pauses:
     # Holds of the oldest generation (engines compiling at once) and the thresholds before them.
     holds: int = 0
     saved: tuple[int, int, int] | None = None
+    unfreezes_at_exit: bool = False
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -91,6 +93,12 @@ def freeze(what: str) -> int:
     """Every object tracked now out of future collections (O(1): CPython splices its lists);
     returns how many are frozen in all. Garbage among them is never freed, so this runs after a
     load or a compile, whose garbage is small beside what they keep."""
+    pauses = watch()
+    if not pauses.unfreezes_at_exit:
+        # Objects still frozen at exit are never finalized: nanobind's (Triton's, MLX's) then
+        # report themselves leaked, line after line, on every shutdown.
+        atexit.register(gc.unfreeze)
+        pauses.unfreezes_at_exit = True
     gc.freeze()
     frozen = gc.get_freeze_count()
     log.info("%s: %d objects kept out of garbage collections", what, frozen)

@@ -96,3 +96,34 @@ def test_the_suite_runs_without_freezing():
     gc_pauses.settle("a test's engine", None)
     assert not gc_pauses.freezing_wanted()
     assert gc.get_freeze_count() == 0
+
+
+def test_an_engine_frozen_at_its_load_is_freed_when_closed(tiny_dirs):
+    """Frozen objects are never collected: a closed engine's weights must go by reference
+    counts alone, or every unload under DUET_GC_FREEZE=1 would keep them (in a process of its
+    own, the collector off after the load so a collection cannot hide a cycle)."""
+    code = textwrap.dedent(f"""
+        import gc, threading, weakref
+        from engines.base import RequestStats, SamplingParams
+        from engines.runtime.loop import EngineLoop
+        from engines.runtime.runtime import Submission
+        from engines.torch_engine import TorchEngine
+        loop = EngineLoop("t")
+        engine = loop.load(lambda: TorchEngine({str(tiny_dirs["llama"][0])!r}, context_length=96,
+                                               dtype="float32", device="cpu")).result()
+        assert gc.get_freeze_count() > 0
+        weight = weakref.ref(next(engine.model.parameters()))
+        done = threading.Event()
+        loop.add(Submission([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0),
+                            lambda e: isinstance(e, (RequestStats, Exception)) and done.set()))
+        assert done.wait(60)
+        gc.disable()
+        loop.close(engine)
+        assert loop.join(30)
+        del engine, loop
+        assert weight() is None, "the closed engine's weights are still alive"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "DUET_GC_FREEZE": "1"})
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
