@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .. import gc_pauses
 from ..device import memory_meter, torch_dtype
 from .engine import device_memory_bytes, make_decoder, prepare_weights
 from .executor import prefill_attention
@@ -202,6 +203,10 @@ def main(fd: int) -> None:
         # is what frees it (its watch ends the engine's process), the error is in the log.
         _failed(conn, spec.rank, exc)
         _exit(1)
+    # Its shard, compiled step and graphs live as long as it does: a collection that walked
+    # them mid-step would hold every rank at the next sum (gc_pauses.py).
+    gc_pauses.watch()
+    gc_pauses.settle(f"tensor-parallel rank {spec.rank}", None)
     try:
         conn.send(("built",))
         rank.report(force=True)

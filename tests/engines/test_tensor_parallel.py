@@ -3,7 +3,9 @@ gives the tokens and scores of the whole one, a rank reads only its slices, and 
 mid-batch ends the batch's requests with an error instead of a hang."""
 
 import asyncio
+import gc
 import os
+import re
 import signal
 import time
 from functools import partial
@@ -241,6 +243,22 @@ def test_a_rank_traces_its_first_steps_when_asked(tiny_dirs, monkeypatch, tmp_pa
         assert not (tmp_path / "trace.rank0.json").exists()  # rank 0 is the caller's to trace
     finally:
         two.close()
+
+
+def test_a_rank_keeps_what_it_loaded_out_of_garbage_collections(tiny_dirs, monkeypatch, capfd):
+    """A rank's process settles its load (gc_pauses.settle) once it is built: a collection that
+    walked its shard and graphs mid-step would hold every rank at the next sum. Its log says
+    so (the suite runs with DUET_GC_FREEZE=0; the rank's own process freezes here)."""
+    monkeypatch.setenv("DUET_GC_FREEZE", "1")
+    two = engine(tiny_dirs["llama"][0], 2)
+    try:
+        got = run_batch(two, [PARAMS[0]], [0], [PROMPTS[1]])
+        assert len(got[0]) == 12
+    finally:
+        two.close()
+    assert re.search(r"tensor-parallel rank 1: \d+ objects kept out of garbage collections",
+                     capfd.readouterr().err)
+    assert gc.get_freeze_count() == 0  # rank 0 is this test's process: left as it was
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 64])
