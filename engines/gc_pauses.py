@@ -15,7 +15,7 @@ it without the freezes; the streams served meanwhile stalled for as long). The y
 generations are still collected, which frees most of a compile's garbage; what reaches the
 oldest meanwhile is frozen with the compiled step, never freed (some hundred thousand objects,
 once). `Pauses` times every collection, so a pause is seen, not guessed: the long ones are
-logged, and `snapshot()` gives the counts."""
+logged, and its counts kept by generation."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import atexit
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -53,9 +54,11 @@ class Pauses:
     by_generation: list[GenerationPauses] = field(
         default_factory=lambda: [GenerationPauses() for _ in range(3)])
     _started: float | None = None
-    # Holds of the oldest generation (engines compiling at once) and the thresholds before them.
+    # Holds of the oldest generation (engines compiling at once, each released on its compile's
+    # thread) and the thresholds before them.
     holds: int = 0
     saved: tuple[int, int, int] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
     unfreezes_at_exit: bool = False
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -73,10 +76,6 @@ class Pauses:
             log.info("a generation-%d garbage collection took %.1f ms (%d objects freed, "
                      "%d kept out of collections by gc.freeze)", info["generation"],
                      took * 1000, info["collected"], gc.get_freeze_count())
-
-    def snapshot(self) -> list[GenerationPauses]:
-        return [GenerationPauses(g.collections, g.total_s, g.longest_s)
-                for g in self.by_generation]
 
 
 def watch() -> Pauses:
@@ -109,18 +108,20 @@ def hold_oldest() -> None:
     """No automatic collection of the oldest generation until every hold is released (several
     engines may compile at once); the young generations go on."""
     pauses = watch()
-    if pauses.holds == 0:
-        pauses.saved = gc.get_threshold()
-        gc.set_threshold(pauses.saved[0], pauses.saved[1], HELD)
-    pauses.holds += 1
+    with pauses.lock:
+        if pauses.holds == 0:
+            pauses.saved = gc.get_threshold()
+            gc.set_threshold(pauses.saved[0], pauses.saved[1], HELD)
+        pauses.holds += 1
 
 
 def release() -> None:
     pauses = watch()
-    pauses.holds -= 1
-    if pauses.holds == 0 and pauses.saved is not None:
-        gc.set_threshold(*pauses.saved)
-        pauses.saved = None
+    with pauses.lock:
+        pauses.holds -= 1
+        if pauses.holds == 0 and pauses.saved is not None:
+            gc.set_threshold(*pauses.saved)
+            pauses.saved = None
 
 
 def freezing_wanted() -> bool:

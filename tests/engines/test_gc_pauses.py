@@ -18,7 +18,7 @@ def test_each_collection_is_timed_by_generation_and_the_long_ones_are_logged(cap
         pauses("stop", {"generation": 0, "collected": 3})
         pauses("start", {"generation": 2})
         pauses("stop", {"generation": 2, "collected": 7})
-    young, _, old = pauses.snapshot()
+    young, _, old = pauses.by_generation
     assert (young.collections, round(young.longest_s, 6)) == (1, 0.004)
     assert (old.collections, round(old.total_s, 6)) == (1, 0.05)
     assert len(caplog.records) == 1  # only the 50 ms one
@@ -30,9 +30,9 @@ def test_watch_installs_one_callback_that_sees_real_collections():
     try:
         assert gc_pauses.watch() is pauses
         assert sum(isinstance(c, gc_pauses.Pauses) for c in gc.callbacks) == 1
-        before = pauses.snapshot()[2].collections
+        before = pauses.by_generation[2].collections
         gc.collect()
-        assert pauses.snapshot()[2].collections == before + 1
+        assert pauses.by_generation[2].collections == before + 1
     finally:
         gc.callbacks.remove(pauses)
 
