@@ -277,7 +277,8 @@ def main() -> int:
                   f"{r['sent_spread_ms']:.1f})  ITL p50 "
                   f"{r['itl_ms_p50']:6.2f} ms p99 {r['itl_ms_p99']:7.2f}  batch {r['peak_batch']:3}"
                   f"  KV {r['peak_kv_used_bytes'] / 2**20:7.1f} MiB  step {r['step_ms_at_peak_batch']}"
-                  f" ms (engine {r['engine_step_ms_at_peak_batch']})", flush=True)
+                  f" ms (engine {r['engine_step_ms_at_peak_batch']})  gc {r['gc_pause_ms']} ms"
+                  f" ({r['gc_oldest_collections']} oldest)", flush=True)
         latency = None
         if args.short_during_long:
             latency = short_during_long(url, args.model, args.engine, args.short_during_long,

@@ -130,6 +130,8 @@ class EngineWorker:
                 "prefix_cache_tokens": status.prefix_cache_tokens,
                 "prefix_cache_hit_tokens": status.prefix_cached_tokens,
                 "process_rss_bytes": self.process_rss_bytes(),
+                "gc_pause_ms": round(status.gc_pause_s * 1000, 3),
+                "gc_oldest_collections": status.gc_oldest_collections,
                 **({"ranks": [{"rank": r.rank, "pid": r.pid, "memory_bytes": r.memory_bytes,
                                "peak_memory_bytes": r.peak_memory_bytes}
                               for r in status.ranks]} if status.ranks else {})}

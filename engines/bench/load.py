@@ -151,6 +151,9 @@ class _HealthWatch:
             seen["batch"] = max(seen["batch"], e.get("batch", 0))
             seen["kv_used"] = max(seen["kv_used"], e.get("kv_cache_used_bytes", 0))
             seen["kv_size"] = e.get("kv_cache_bytes", 0)
+            if e.get("gc_pause_ms") is not None:  # the level's share: last poll less first
+                seen.setdefault("gc_start", (e["gc_pause_ms"], e["gc_oldest_collections"]))
+                seen["gc_end"] = (e["gc_pause_ms"], e["gc_oldest_collections"])
             if e.get("process_rss_bytes") is not None:
                 seen["rss_peak"] = max(seen["rss_peak"] or 0, e["process_rss_bytes"])
 
@@ -219,7 +222,8 @@ LEVEL_KEYS = (
     "server_queue_ms_p50", "sent_spread_ms", "client_cpu_share", "itl_ms_p50", "itl_ms_p99",
     "peak_batch", "peak_kv_used_bytes", "rss_start_bytes", "rss_peak_bytes",
     "rss_peak_delta_bytes", "engine_peak_memory_bytes", "kv_cache_bytes",
-    "step_ms_at_peak_batch", "engine_step_ms_at_peak_batch",
+    "step_ms_at_peak_batch", "engine_step_ms_at_peak_batch", "gc_pause_ms",
+    "gc_oldest_collections",
 )
 
 
@@ -265,7 +269,17 @@ def summarize_level(n: int, results: list[dict], seen: dict, client_cpu_s: float
         "kv_cache_bytes": seen.get("kv_size", 0),
         "step_ms_at_peak_batch": seen.get("step_ms"),
         "engine_step_ms_at_peak_batch": seen.get("engine_step_ms"),
+        # The engine process's garbage collections during the level (the server's own, for an
+        # engine in its process): time they stopped its Python threads, and the long ones.
+        **_gc_share(seen),
     }
+
+
+def _gc_share(seen: dict) -> dict:
+    if "gc_start" not in seen:
+        return {"gc_pause_ms": None, "gc_oldest_collections": None}
+    (pause0, oldest0), (pause1, oldest1) = seen["gc_start"], seen["gc_end"]
+    return {"gc_pause_ms": round(pause1 - pause0, 3), "gc_oldest_collections": oldest1 - oldest0}
 
 
 def reference_level(n: int, tokens: int, seconds: float) -> dict:

@@ -135,6 +135,10 @@ class RuntimeStatus:
     # Why the compiled step never came, if it failed: the engine steps eagerly on, several
     # times slower, which /health says rather than leave to be guessed from the step time.
     compile_error: str | None = None
+    # The garbage collector in the runtime's process since it started (gc_pauses.Pauses): every
+    # collection stops the process's Python threads, the step's among them.
+    gc_pause_s: float = 0.0  # time spent in collections of every generation
+    gc_oldest_collections: int = 0  # collections of the oldest generation, the long ones
 
     @property
     def kv_tokens(self) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .. import gc_pauses
 from ..base import Cancelled, SamplingParams, StopCheck, TokenLogprobs
 from ..grammar import GrammarState, PreparedGrammars
 from ..processing import Processing
@@ -104,13 +105,15 @@ class Runtime:
 
     def status(self) -> RuntimeStatus:
         pool = self.scheduler.pool
+        collections = gc_pauses.watch().by_generation
         return RuntimeStatus(self.last_batch, self.step_s, self.execute_s, pool.used_blocks,
                              self.scheduler.max_batch, pool.num_blocks, pool.block_size,
                              pool.bytes_per_token,
                              pool.cached_blocks * pool.block_size + self._kept,
                              self.scheduler.cached_tokens, self.engine.rank_status(),
                              self.engine.compiled is not None and not self.engine.compiled.done(),
-                             compile_error(self.engine.compiled))
+                             compile_error(self.engine.compiled),
+                             sum(g.total_s for g in collections), collections[-1].collections)
 
     def add(self, sub: Submission) -> None:
         """Queue a generation. Errors a request can never get past (too long for the context or

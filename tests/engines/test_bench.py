@@ -142,6 +142,11 @@ def test_a_server_level_has_every_figure_a_reference_level_has():
     assert level["rss_peak_delta_bytes"] == 50 and level["engine_peak_memory_bytes"] == 7
     no_rss = load.summarize_level(1, [result], {"batch": 1, "kv_used": 0}, 0.01)
     assert no_rss["rss_peak_delta_bytes"] is None  # not measured is not zero
+    assert no_rss["gc_pause_ms"] is None and no_rss["gc_oldest_collections"] is None
+    # The engine's garbage collections over the level: its last poll less its first.
+    collected = load.summarize_level(1, [result], {**seen, "gc_start": (120.5, 3),
+                                                   "gc_end": (370.5, 5)}, 0.01)
+    assert (collected["gc_pause_ms"], collected["gc_oldest_collections"]) == (250.0, 2)
     assert tuple(load.reference_level(2, 10, 1.0)) == load.LEVEL_KEYS
 
 

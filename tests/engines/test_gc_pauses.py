@@ -127,3 +127,17 @@ def test_an_engine_frozen_at_its_load_is_freed_when_closed(tiny_dirs):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "DUET_GC_FREEZE": "1"})
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_runtimes_status_counts_its_processs_collections():
+    """What /health shows of an engine (and the load mode reads per level): the time its
+    process spent in collections, and how many of the oldest generation."""
+    from engines.fake import FakeEngine
+    from engines.runtime.runtime import Runtime
+
+    runtime = Runtime(FakeEngine("fake", max_batch=2))
+    before = runtime.status()
+    gc.collect()
+    after = runtime.status()
+    assert after.gc_oldest_collections == before.gc_oldest_collections + 1
+    assert after.gc_pause_s > before.gc_pause_s
