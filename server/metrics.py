@@ -11,7 +11,7 @@ import time
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -112,6 +112,13 @@ class _LiveCollector:
         prefix = GaugeMetricFamily(
             "duet_engine_prefix_cache_tokens", "Tokens of KV kept in the prefix cache (held by "
             "running sequences or evictable)", labels=["model", "engine"])
+        gc_pause = CounterMetricFamily(
+            "duet_engine_gc_pause_seconds", "Time the process an engine's steps run in spent in "
+            "Python's garbage collections (each stops its Python threads)",
+            labels=["model", "engine"])
+        gc_oldest = CounterMetricFamily(
+            "duet_engine_gc_oldest_collections", "Collections of the oldest generation (the long "
+            "ones) in the process an engine's steps run in", labels=["model", "engine"])
         ranks = GaugeMetricFamily(
             "duet_engine_rank_memory_bytes", "A tensor-parallel engine's memory on each rank's "
             "device (CUDA allocator; process RSS on the CPU), as the rank last reported",
@@ -127,9 +134,11 @@ class _LiveCollector:
                 kv_used.add_metric([model, engine], runtime["kv_cache_used_bytes"])
                 kv_size.add_metric([model, engine], runtime["kv_cache_bytes"])
                 prefix.add_metric([model, engine], runtime["prefix_cache_tokens"])
+                gc_pause.add_metric([model, engine], runtime["gc_pause_ms"] / 1000)
+                gc_oldest.add_metric([model, engine], runtime["gc_oldest_collections"])
                 for rank in runtime.get("ranks", ()):
                     ranks.add_metric([model, engine, str(rank["rank"])], rank["memory_bytes"])
-        yield from (depth, jobs, batch, kv_used, kv_size, prefix, ranks)
+        yield from (depth, jobs, batch, kv_used, kv_size, prefix, gc_pause, gc_oldest, ranks)
         memory = self.process.memory_info()
         yield GaugeMetricFamily(
             "duet_process_resident_memory_bytes", "Resident memory of the server process",

@@ -50,6 +50,15 @@ def test_requests_tokens_and_speed_are_counted(client):
     assert ("duet_generation_kv_cache_bytes", tuple(sorted(tiny.items()))) in m
     assert value(m, "duet_engine_kv_cache_used_bytes", **tiny) == 0  # nothing running now
     assert ("duet_engine_batch_size", tuple(sorted(tiny.items()))) in m
+    # The engine's process is this one (an in-process engine): a collection counts at once.
+    import gc
+
+    oldest = value(m, "duet_engine_gc_oldest_collections_total", **tiny)
+    paused = value(m, "duet_engine_gc_pause_seconds_total", **tiny)
+    gc.collect()
+    m = scrape(client)
+    assert value(m, "duet_engine_gc_oldest_collections_total", **tiny) == oldest + 1
+    assert value(m, "duet_engine_gc_pause_seconds_total", **tiny) > paused
 
 
 def test_each_app_has_its_own_registry(make_client):
