@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from engines import gc_pauses
 from engines.base import Cancelled, ContextLengthExceeded, EngineClosed, SamplingParams, Step
 from engines.fake import FakeEngine
 from server.errors import APIError, from_engine_error
@@ -216,7 +217,12 @@ async def test_runtime_status_reports_the_batch_and_the_pool_as_they_are():
         assert engine.kv_pool.grow(blocks, 20)  # two 16-token blocks
         engine.kv_pool.register(blocks[0], 7, 0, tuple(range(16)))  # the first one cached
         runtime.scheduler.cached_tokens = 48
+        collections = gc_pauses.watch().by_generation  # the engine's process is this one
+        oldest_before = collections[2].collections
         status = worker.runtime_status()
+        oldest = status.pop("gc_oldest_collections")
+        assert oldest_before <= oldest <= collections[2].collections
+        assert 0 <= status.pop("gc_pause_ms") <= sum(g.total_s for g in collections) * 1000 + 1e-3
         rss = status.pop("process_rss_bytes")  # the engine runs in this process
         assert psutil.Process().memory_info().rss * 0.9 < rss < psutil.Process().memory_info().rss * 1.1
         assert status == {
