@@ -59,7 +59,6 @@ class Pauses:
     holds: int = 0
     saved: tuple[int, int, int] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    unfreezes_at_exit: bool = False
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -85,6 +84,9 @@ def watch() -> Pauses:
             return callback
     pauses = Pauses()
     gc.callbacks.append(pauses)
+    # Objects still frozen at exit are never finalized: nanobind's (Triton's, MLX's) then report
+    # themselves leaked, line after line, on every shutdown (a no-op where nothing was frozen).
+    atexit.register(gc.unfreeze)
     return pauses
 
 
@@ -92,12 +94,7 @@ def freeze(what: str) -> int:
     """Every object tracked now out of future collections (O(1): CPython splices its lists);
     returns how many are frozen in all. Garbage among them is never freed, so this runs after a
     load or a compile, whose garbage is small beside what they keep."""
-    pauses = watch()
-    if not pauses.unfreezes_at_exit:
-        # Objects still frozen at exit are never finalized: nanobind's (Triton's, MLX's) then
-        # report themselves leaked, line after line, on every shutdown.
-        atexit.register(gc.unfreeze)
-        pauses.unfreezes_at_exit = True
+    watch()
     gc.freeze()
     frozen = gc.get_freeze_count()
     log.info("%s: %d objects kept out of garbage collections", what, frozen)
