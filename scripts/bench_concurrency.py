@@ -47,12 +47,12 @@ def prompts_for(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
               engine: str | None, procs: int, extra: dict | None = None,
-              prompts: list | None = None) -> dict:
+              prompts: list | None = None, rounds: int = 1) -> dict:
     """One level of n clients: the bench core's load mode (engines/bench/load.py)."""
     prompts = prompts if prompts is not None else prompts_for(n, prompt_tokens, seed=n)
     try:
         return load.run_level(url, model, n, prompt_tokens, max_tokens, engine, procs, extra,
-                              prompts)
+                              prompts, rounds=rounds)
     except load.LoadFailed as exc:
         raise SystemExit(str(exc)) from exc
 

@@ -134,6 +134,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="requests each client sends one after the other in a run (1: one burst)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--client-procs", type=int, default=8)
     p.add_argument("--port", type=int, default=8124)
@@ -170,7 +172,7 @@ def main() -> int:
                 for f in features:
                     runs[f].append(run_level(url, args.model, n, args.prompt_tokens,
                                              args.max_tokens, args.engine, args.client_procs,
-                                             FEATURES[f], prompts))
+                                             FEATURES[f], prompts, args.rounds))
             for f in features:
                 tok_s = sorted(r["aggregate_tok_s"] for r in runs[f])
                 rows.append({
@@ -201,8 +203,9 @@ def main() -> int:
     base = {r["clients"]: r["aggregate_tok_s"] for r in rows if r["feature"] == "none"}
     for r in rows:
         r["vs_none"] = round(r["aggregate_tok_s"] / base[r["clients"]], 3) if base else None
+    rounds = f" of {args.rounds} requests a client" if args.rounds > 1 else ""
     print(f"\n{args.model} on {args.device_name or 'this machine'}: median aggregate tok/s "
-          f"(x plain decoding), {args.repeats} runs")
+          f"(x plain decoding), {args.repeats} runs{rounds}")
     print("| feature | " + " | ".join(f"{n} client{'s' * (n > 1)}" for n in levels) + " |")
     print("|---|" + "---|" * len(levels))
     for f in features:
@@ -216,7 +219,8 @@ def main() -> int:
         result = {"date": dt.date.today().isoformat(), "model": args.model,
                   "engine": args.engine, "device": args.device_name,
                   "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                  "repeats": args.repeats, "server": info.get("engines"), "rows": rows,
+                  "repeats": args.repeats, "rounds": args.rounds,
+                  "server": info.get("engines"), "rows": rows,
                   "command": " ".join(sys.argv)}
         write_result(args.out, result)
     return 0

@@ -50,6 +50,16 @@ def prompts_for(n: int, length: int, seed: int = 0,
 _EMPTY_CHUNKS = ('"text":""', '"content":""}', '"delta":{}')
 
 
+async def _stream_rounds(client, url: str, body: dict, start_at: float,
+                         rounds: int) -> list[dict]:
+    """A client's requests one after the other: the first at start_at, each next one as soon as
+    the one before ended (the steady state of clients that keep asking, not a single burst)."""
+    results = [await _stream_one(client, url, body, start_at)]
+    while len(results) < rounds and "error" not in results[-1]:
+        results.append(await _stream_one(client, url, body, 0.0))
+    return results
+
+
 async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -77,7 +87,7 @@ async def _stream_one(client, url: str, body: dict, start_at: float) -> dict:
 
 
 def _client_process(url: str, bodies: list[dict], headers: dict, ready, go, start_at,
-                    out) -> None:
+                    out, rounds: int = 1) -> None:
     import httpx
 
     async def main():
@@ -90,9 +100,9 @@ def _client_process(url: str, bodies: list[dict], headers: dict, ready, go, star
             ready.put(True)
             await asyncio.to_thread(go.wait)
             cpu = time.process_time()
-            results = await asyncio.gather(
-                *(_stream_one(client, url, b, start_at.value) for b in bodies))
-            return results, time.process_time() - cpu
+            streams = await asyncio.gather(
+                *(_stream_rounds(client, url, b, start_at.value, rounds) for b in bodies))
+            return [r for stream in streams for r in stream], time.process_time() - cpu
 
     try:
         out.put(asyncio.run(main()))
@@ -167,10 +177,12 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
               engine: str | None = None, procs: int = 4, extra: dict | None = None,
               prompts: list | None = None, headers: dict | None = None,
               token_range: tuple[int, int] = TOKEN_RANGE,
-              ready_timeout_s: float = 120.0) -> dict:
+              ready_timeout_s: float = 120.0, rounds: int = 1) -> dict:
     """One level of n clients. extra: more fields for every request body; prompts: n prompts
     (token-id lists or texts, or chat message lists, which go to the chat endpoint) instead of
-    prompt_tokens random ids. Raises LoadFailed when any request fails."""
+    prompt_tokens random ids; rounds: requests each client sends one after the other (one: a
+    burst of n at once, whose start and tail weigh on a short level). Raises LoadFailed when
+    any request fails."""
     prompts = prompts if prompts is not None else prompts_for(n, prompt_tokens, seed=n,
                                                               token_range=token_range)
     bodies = [{"model": model,
@@ -187,7 +199,8 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     start_at = ctx.Value("d", 0.0)
     workers = [ctx.Process(target=_client_process,
-                           args=(url, bodies[i::procs], headers, ready, go, start_at, out),
+                           args=(url, bodies[i::procs], headers, ready, go, start_at, out,
+                                 rounds),
                            daemon=True)
                for i in range(procs)]
     for w in workers:
@@ -211,7 +224,7 @@ def run_level(url: str, model: str, n: int, prompt_tokens: int, max_tokens: int,
                 w.kill()
     errors = [r["error"] for r in results if "error" in r]
     if errors:
-        raise LoadFailed(f"{len(errors)} of {n} requests failed: {errors[0]}")
+        raise LoadFailed(f"{len(errors)} of {n * rounds} requests failed: {errors[0]}")
     return summarize_level(n, results, watch.seen, client_cpu)
 
 

@@ -98,3 +98,19 @@ def test_bench_in_process_runs_both_engines_and_both_references(tiny_dirs, tmp_p
 def test_bench_rejects_a_bad_flag_before_loading_anything(tmp_path, capsys):
     assert main(["bench", "--repeats", "0", "--out", str(tmp_path)]) == 2
     assert "repeats" in capsys.readouterr().err
+
+
+def test_a_load_level_of_several_rounds_sends_each_clients_requests_in_turn(models_file):
+    """rounds: each client's next request goes once its last one ended, so a level of 2
+    clients and 3 rounds of 4 tokens at 20 ms a token lasts about 3 requests' time, and every
+    request's tokens are counted."""
+    from engines.bench import load
+
+    factory = FakeFactory(token_delay_s=0.02, reply="z" * 40)
+    with LiveServer(create_app(Settings(models_file=models_file), factory)) as live:
+        prompts = [[104, 105] * 4, [106] * 8]  # the fake engine's tokens are bytes
+        one = load.run_level(live.url, "tiny", 2, 8, 4, procs=1, prompts=prompts)
+        three = load.run_level(live.url, "tiny", 2, 8, 4, procs=1, prompts=prompts, rounds=3)
+    assert one["tokens"] == 2 * 4 and three["tokens"] == 2 * 3 * 4
+    assert three["clients"] == 2 and three["peak_batch"] <= 2
+    assert three["wall_s"] >= 2 * one["wall_s"]  # all at once, it would take about one's
