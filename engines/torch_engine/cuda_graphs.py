@@ -255,6 +255,25 @@ class GraphDecoder:
         self._graphs[(b, kv_len)] = captured
         return captured
 
+    def compile_kernels(self) -> None:
+        """The decode-attention kernel compiled now for every attention bucket (one N_SPLITS
+        each), through a one-row eager step of each that writes only the trash slot: before
+        any request is served, where each was compiled in the serving thread the first time a
+        step reached its bucket (on a cold start; a warm one finds them in Triton's cache)."""
+        if not self.kernels:
+            return
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        trash = torch.full_like(zero[0], self.kv.trash)
+        with torch.inference_mode():
+            for kv_len in self.lengths:
+                table = torch.zeros(1, -(-kv_len // self.page), dtype=torch.long,
+                                    device=self.device)
+                batch = PagedBatch(
+                    tokens=zero, positions=zero, write_slots=trash, last=zero[0], table=table,
+                    kv_len=kv_len, page=self.page, trash=self.kv.trash,
+                    window=self.model.args.sliding_window)
+                self.model.forward_paged(batch, self.kv)
+
     def bucketed(self, batch: PagedBatch) -> PagedBatch:
         """An eager decode batch as the graphs shape theirs: its length at its attention bucket
         and its block table that many pages wide (zeros past the rows' pages, which the

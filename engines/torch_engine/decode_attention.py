@@ -92,7 +92,17 @@ if triton is not None:
         xp = tl.load(X + partner, mask=mask, other=0.0).to(tl.float32)
         return x * C + sign * xp * S
 
-    @triton.jit
+    # Triton compiles a kernel anew for every change in its ints' value class (1, a multiple
+    # of 16, other) and its pointers' 16-byte alignment. The rows' positions, write slots and
+    # block table come as views of one copied tensor in an eager step (their offsets, strides
+    # and the step's length vary with its rows) and as columns of the graphs' input buffer in a
+    # captured one: each new combination was a compile of ~0.3-0.8 s in the serving thread on
+    # a cold start (a stream paused 0.8 s, H100, 2026-11-27). Not specialized on them, the
+    # kernel is compiled once an attention bucket (its N_SPLITS), all of them before serving
+    # (cuda_graphs.GraphDecoder.compile_kernels). Nothing here is faster for knowing them: a
+    # row's position and slot are single loads, its table a gather, kv_len a bound.
+    @triton.jit(do_not_specialize=["stride_tb", "stride_pos", "stride_slot", "kv_len"],
+                do_not_specialize_on_alignment=["Table", "Pos", "Slots"])
     def _attention_kernel(
         QKV, Cos, Sin, K, V, Table, Pos, Slots, Acc, M, L, Out, Counters,
         stride_qkv, stride_cos, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,

@@ -151,6 +151,9 @@ class TorchEngine(GenerationEngine):
         # (5 s on an H100 host, where the two threads share the interpreter).
         warmed = warm_up(self)
         if beside and decoder is not None:
+            decoder.compile_kernels()
+            warmed = time.perf_counter() - started - loaded
+        if beside and decoder is not None:
             first = interim.warm_up_beside() if interim is not None else None
             self.compiled = decoder.warm_up_beside(after=first)
             self.decoder, self.interim = decoder, interim

@@ -550,3 +550,28 @@ def test_a_split_vocabulary_projection_decodes_as_the_whole(tiny_dirs):
     got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9])
     assert got == expected
     assert gathered, "the decode steps did not project through the split"
+
+
+def test_the_attention_kernels_are_compiled_before_serving_writing_only_the_trash(
+        tiny_dirs, monkeypatch):
+    """compile_kernels runs one one-row eager decode step per attention bucket (where Triton
+    compiles the kernel of that bucket's slices on a GPU), each step writing only the pool's
+    trash slot; a decoder without the kernels does nothing."""
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                       graphs=ReplayedGraphs())
+    seen = []
+    forward = engine.model.forward_paged
+    engine.model.forward_paged = lambda batch, kv: (seen.append(batch), forward(batch, kv))[1]
+    decoder.compile_kernels()
+    assert seen == []  # on the CPU there are no kernels to compile
+    decoder.kernels = True  # as on a GPU (the model's attention stays the CPU's own)
+    before = [t.clone() for t in engine.kv.k + engine.kv.v]
+    decoder.compile_kernels()
+    assert [(b.kv_len, b.table.shape[1]) for b in seen] == [(16, 1), (32, 2), (64, 4), (96, 6)]
+    assert all(b.write_slots.tolist() == [engine.kv.trash] for b in seen)
+    trash = engine.kv.trash
+    for old, new in zip(before, engine.kv.k + engine.kv.v):
+        assert torch.equal(old[:trash].view(torch.int32), new[:trash].view(torch.int32))
+    engine.close()

@@ -252,3 +252,64 @@ def test_the_compiled_step_on_cuda_decodes_as_the_eager_ops(tiny_dirs, monkeypat
         runs.append([[s.token_id for s in steps] for steps in run_batch(engine, params, join_at)])
     assert runs[0] == runs[1]
     assert [len(r) for r in runs[1]] == [70, 9, 30] and len(PROMPTS[0]) + 70 > 64
+
+
+def _attention_specialization(table, positions, write_slots, kv_len):
+    """How Triton would specialize the decode-attention kernel for a step's rows (the
+    arguments paged_decode_attention passes it, bound by Triton's binder for an H100)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from engines.torch_engine import decode_attention
+
+    kernel = decode_attention._attention_kernel
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((args, kwargs))
+
+    b, n_kv, n_heads, d = positions.shape[0], 2, 4, 16
+    pool = torch.zeros(64, n_kv, d)
+    original, decode_attention._attention_kernel = decode_attention._attention_kernel, Recorder()
+    try:
+        decode_attention.paged_decode_attention(
+            torch.zeros(b, (n_heads + 2 * n_kv) * d), torch.zeros(b, d), torch.zeros(b, d),
+            pool, pool.clone(), table, positions[:, 0], write_slots,
+            torch.zeros(b * n_kv, dtype=torch.int32), kv_len, 16, 0)
+    finally:
+        decode_attention._attention_kernel = original
+    (args, kwargs), = launched
+    binder = create_function_from_signature(kernel.signature, kernel.params,
+                                            make_backend(GPUTarget("cuda", 90, 32)))
+    return binder(*args, **{k: v for k, v in kwargs.items() if k != "launch_pdl"})[1]
+
+
+@needs_triton
+def test_the_attention_kernel_compiles_once_a_bucket_for_eager_and_captured_steps():
+    """An eager step's rows (views into one copied tensor, at offsets and strides that vary
+    with the batch, its table padded to the bucket) and a captured graph's (columns of its
+    input buffer) get one specialization a bucket from Triton: each new one was a compile in
+    the serving thread, stalling the streams on a cold start."""
+    pytest.importorskip("triton.runtime.jit").create_function_from_signature  # noqa: B018
+    from engines.torch_engine.cuda_graphs import POSITION, TABLE, WRITE
+
+    seen = {}
+    for kv_len in (256, 512):
+        pages = kv_len // 16
+        keys = []
+        for b in (1, 2, 3, 5):  # an eager step: tokens, positions, slots, last, table, in a row
+            flat = torch.arange(b * (4 + pages))
+            positions = flat[b:2 * b].view(b, 1)
+            write = flat[2 * b:3 * b]
+            table = torch.nn.functional.pad(flat[4 * b:].view(b, pages)[:, :3], (0, pages - 3))
+            keys.append(_attention_specialization(table, positions, write, kv_len))
+        inputs = torch.zeros(8, TABLE + 2048 // 16 + 1, dtype=torch.long)  # a graph's buffer
+        for b in (1, 4):
+            x = inputs[:b, : TABLE + pages]
+            keys.append(_attention_specialization(x[:, TABLE:], x[:, POSITION:POSITION + 1],
+                                                  x[:, WRITE], kv_len))
+        assert all(k == keys[0] for k in keys), keys
+        seen[kv_len] = keys[0]
+    assert seen[256] != seen[512]  # N_SPLITS: one compile per bucket
