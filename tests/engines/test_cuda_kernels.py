@@ -292,7 +292,8 @@ def test_the_attention_kernel_compiles_once_a_bucket_for_eager_and_captured_step
     with the batch, its table padded to the bucket) and a captured graph's (columns of its
     input buffer) get one specialization a bucket from Triton: each new one was a compile in
     the serving thread, stalling the streams on a cold start."""
-    pytest.importorskip("triton.runtime.jit").create_function_from_signature  # noqa: B018
+    if not hasattr(pytest.importorskip("triton.runtime.jit"), "create_function_from_signature"):
+        pytest.skip("this Triton binds a kernel's arguments another way")
     from engines.torch_engine.cuda_graphs import POSITION, TABLE, WRITE
 
     seen = {}
