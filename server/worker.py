@@ -205,17 +205,7 @@ class EngineWorker:
         arrived: deque = deque()
         ready = asyncio.Event()
         woken = [False]  # a wake-up is on its way to the event loop
-        # One timer for the request's time limit, not one per batch: asyncio.wait_for made a
-        # task, a timer and two callbacks for every token of every stream (a tenth of the HTTP
-        # process's busy time at 64 streams, py-spy on a fake engine).
         expired = [False]
-
-        def expire() -> None:
-            expired[0] = True
-            ready.set()
-
-        left = self._time_left(job)
-        timer = None if left is None else loop.call_later(left, expire)
 
         def emit(event: Any) -> None:  # on the engine thread
             if isinstance(event, (RequestStats, BaseException)):
@@ -234,6 +224,16 @@ class EngineWorker:
         except BaseException:
             self._release(job)
             raise
+
+        def expire() -> None:
+            expired[0] = True
+            ready.set()
+
+        # One timer for the request's time limit, not one per batch: asyncio.wait_for made a
+        # task, a timer and two callbacks for every token of every stream (a tenth of the HTTP
+        # process's busy time at 64 streams, py-spy on a fake engine).
+        left = self._time_left(job)
+        timer = None if left is None else loop.call_later(left, expire)
         try:
             while True:
                 await ready.wait()

@@ -153,7 +153,6 @@ class TorchEngine(GenerationEngine):
         if beside and decoder is not None:
             decoder.compile_kernels()
             warmed = time.perf_counter() - started - loaded
-        if beside and decoder is not None:
             first = interim.warm_up_beside() if interim is not None else None
             self.compiled = decoder.warm_up_beside(after=first)
             self.decoder, self.interim = decoder, interim
