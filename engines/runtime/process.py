@@ -55,6 +55,18 @@ from .runtime import Submission
 
 log = logging.getLogger("duet.runtime")
 
+
+def exit_reason(code: int | None) -> str:
+    """A child's exit code as words: a negative code is the signal that ended it."""
+    if code is None:
+        return "still running or its exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
 MODES = ("auto", "on", "off")
 
 
@@ -524,6 +536,12 @@ class ProcessLoop:
                 self._process.join(5)
                 code = self._process.exitcode
         error = EngineProcessError(f"the {self.name} engine's process ended (exit code {code})")
+        if self._gone:
+            # Said where the operator looks: the requests it fails say it too, but a process
+            # killed by a signal (a crash in native code, the kernel's OOM killer) leaves no
+            # other trace in the server's log.
+            log.error("the %s engine's process ended unexpectedly (%s); %d requests failed with "
+                      "it", self.name, exit_reason(code), len(subs) + len(jobs))
         for sub in subs.values():
             sub.emit(error)
         for job in jobs.values():

@@ -408,7 +408,7 @@ async def test_close_ends_running_requests_and_the_process():
     assert not process.is_alive()
 
 
-async def test_a_dead_engine_process_ends_its_requests_with_an_error():
+async def test_a_dead_engine_process_ends_its_requests_with_an_error(caplog):
     worker = await started(echo(token_delay_s=0.02), max_queue=4)
     try:
         tasks = [asyncio.create_task(run(worker, "v" * 200, max_tokens=200)) for _ in range(2)]
@@ -419,8 +419,12 @@ async def test_a_dead_engine_process_ends_its_requests_with_an_error():
                 await asyncio.wait_for(task, 10)
         assert worker.pending == 0
         assert not worker.loaded  # so the registry loads it anew
+        # The server's log says so, naming the signal (a crash leaves no other trace there).
+        said = [r for r in caplog.records if r.name == "duet.runtime" and r.levelname == "ERROR"]
+        assert len(said) == 1 and "(killed by SIGKILL); 2 requests failed" in said[0].getMessage()
     finally:
         await worker.aclose(10)
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1  # not on a close
 
 
 class LosesItsRank(EchoEngine):
