@@ -9,6 +9,7 @@ come from rank 0 (tensor_parallel.TokenShare)."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -171,6 +172,7 @@ def _watch_parent() -> None:
 
 
 def main(fd: int) -> None:
+    faulthandler.enable()  # a native crash prints the rank's stacks, as the engine process's
     conn = Connection(fd)
     threading.Thread(target=_watch_parent, daemon=True).start()
     spec: RankSpec = conn.recv()

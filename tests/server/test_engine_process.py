@@ -427,6 +427,24 @@ async def test_a_dead_engine_process_ends_its_requests_with_an_error(caplog):
     assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1  # not on a close
 
 
+async def test_a_crashed_engine_process_prints_its_threads_stacks(capfd, caplog):
+    """A crash in the child's native code (here its SIGSEGV, sent): faulthandler prints every
+    thread's Python stack on the stderr it shares with the server before it dies, and the
+    server logs the signal."""
+    worker = await started(echo(token_delay_s=0.02))
+    try:
+        task = asyncio.create_task(run(worker, "v" * 200, max_tokens=200))
+        assert await until(lambda: worker.status().running == 1)
+        os.kill(worker.loop._process.pid, signal.SIGSEGV)
+        with pytest.raises(EngineProcessError, match="exit code -11"):
+            await asyncio.wait_for(task, 10)
+    finally:
+        await worker.aclose(10)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err and "most recent call first" in err
+    assert any("killed by SIGSEGV" in r.getMessage() for r in caplog.records)
+
+
 class LosesItsRank(EchoEngine):
     """A step fails as a tensor-parallel engine's does when a rank dies: with an
     EngineProcessError, while the child (whose engine exits soon after) still runs. Only
