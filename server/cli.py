@@ -18,6 +18,7 @@ def run_server(app, settings) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from engines import crash_stacks
     from engines.models.config import ConfigError
 
     from .app import create_app
@@ -63,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    crash_stacks.enable()
     run_server(app, settings)
     return 0
 

@@ -24,7 +24,6 @@ Times (a request's arrival) are time.perf_counter(), one clock for every process
 
 from __future__ import annotations
 
-import faulthandler
 import itertools
 import logging
 import multiprocessing
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .. import gc_pauses
+from .. import crash_stacks, gc_pauses
 from ..base import (
     Cancelled,
     EngineClosed,
@@ -229,9 +228,7 @@ def serve(commands, events, name: str, log_level: int,
     is asked for, say so, and run its loop for the parent."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A crash in native code (a kernel's compiler, a driver) prints every thread's Python stack
-    # on the server's stderr before the process dies, where otherwise only its exit code told.
-    faulthandler.enable()
+    crash_stacks.enable()
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     gc_pauses.watch()

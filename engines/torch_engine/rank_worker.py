@@ -9,7 +9,6 @@ come from rank 0 (tensor_parallel.TokenShare)."""
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import gc_pauses
+from .. import crash_stacks, gc_pauses
 from ..device import memory_meter, torch_dtype
 from .engine import device_memory_bytes, make_decoder, prepare_weights
 from .executor import prefill_attention
@@ -172,7 +171,7 @@ def _watch_parent() -> None:
 
 
 def main(fd: int) -> None:
-    faulthandler.enable()  # a native crash prints the rank's stacks, as the engine process's
+    crash_stacks.enable()
     conn = Connection(fd)
     threading.Thread(target=_watch_parent, daemon=True).start()
     spec: RankSpec = conn.recv()
