@@ -61,7 +61,9 @@ def test_a_split_model_classifies_as_the_whole_one(server):
     import httpx
 
     def classify(model):
-        body = {"model": model, "input": ["I loved it.", "A dull, tiresome film."],
+        # One input: each of the split model's forwards is a round of gloo sums over three
+        # processes of this CPU (two inputs took 97 s of a 2-core machine).
+        body = {"model": model, "input": ["A dull, tiresome film."],
                 "labels": ["positive", "negative"]}
         resp = httpx.post(server.url + "/v1/classifications", json=body, timeout=300)
         assert resp.status_code == 200, resp.text
