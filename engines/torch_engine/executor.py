@@ -10,16 +10,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..base import DeviceOutOfMemory
 from ..runtime.plan import ExecutorTraits, ScheduledSeq, StepOutput, StepPlan
+from . import trace_guard
 from .paged import PagedKV, build_batch
 from .processing import RowProcessor, StepProcessing
 from .sampling import (Sampler, ScoredRows, sample_rows, score_tokens, scores_table,
                        token_logprobs)
 from .transfer import ReadBack
+
+if TYPE_CHECKING:
+    from .cuda_graphs import CaptureLock
 
 
 def prefill_attention(device: str):
@@ -57,8 +62,11 @@ class Launched:
 
 
 class TorchExecutor:
-    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None, interim=None):
+    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None, interim=None,
+                 capture_lock: CaptureLock | None = None):
         self.model, self.kv, self.device = model, kv, device
+        # Held around each launch and read-back while graphs are captured beside the steps.
+        self._capture_lock = capture_lock
         # Under tensor parallelism (ranks.py): the other ranks, told each step before it runs.
         self.ranks = ranks
         self.window = model.args.sliding_window
@@ -108,13 +116,21 @@ class TorchExecutor:
         """Queue the step's work on the device; collect() reads its tokens."""
         self._told = False
         try:
-            return self._launch(plan)
+            with self._apart_from_captures():
+                return self._launch(plan)
         except Exception as exc:  # under tensor parallelism: gloo's when a rank is gone, or ours
             if self.ranks is not None:
                 raise self.ranks.failed(exc, self._told) from exc
             if isinstance(exc, torch.OutOfMemoryError):
                 raise out_of_memory(exc) from exc
             raise
+
+    def _apart_from_captures(self):
+        """The capture lock while decoders' graphs are still coming (cuda_graphs.CaptureLock:
+        no step's device work while a capture instantiates its graph)."""
+        if self._coming and self._capture_lock is not None:
+            return self._capture_lock
+        return contextlib.nullcontext()
 
     def _launch(self, plan: StepPlan):
         self._settle()  # the last step's picks, which this step's PENDING rows read
@@ -216,7 +232,8 @@ class TorchExecutor:
 
     def collect(self, handle: Launched) -> StepOutput:
         try:
-            return self._collect(handle)
+            with self._apart_from_captures():
+                return self._collect(handle)
         except torch.OutOfMemoryError as exc:  # the deferred draw's, or the scores' read-back
             raise out_of_memory(exc) from exc
 
@@ -237,16 +254,17 @@ class TorchExecutor:
         batch = build_batch(rows, self.kv, self.model.max_len, self.window, self.device)
         if decode and self._coming:
             batch = self._coming[-1].bucketed(batch)
-        with prefill_attention(self.device):
+        # Modules run here, beside a compile's traces on another thread (trace_guard).
+        with trace_guard.eager(), prefill_attention(self.device):
             if not any(r.score_next for r in rows):
                 return self.model.forward_paged(batch, self.kv)
             x = self.model.hidden_paged(batch, self.kv)
-        for i, row in enumerate(rows):
-            if row.score_next:
-                logits = self.model.head(x[i, : len(row.score_next)])
-                prompt_scores[row.seq_id] = (row.start + 1, score_tokens(
-                    logits, row.score_next, row.sampling.prompt_logprobs))
-        return self.model.head(x[torch.arange(x.shape[0], device=x.device), batch.last])
+            for i, row in enumerate(rows):
+                if row.score_next:
+                    logits = self.model.head(x[i, : len(row.score_next)])
+                    prompt_scores[row.seq_id] = (row.start + 1, score_tokens(
+                        logits, row.score_next, row.sampling.prompt_logprobs))
+            return self.model.head(x[torch.arange(x.shape[0], device=x.device), batch.last])
 
     def release(self, seq_ids) -> None:
         self._processor.release(seq_ids)  # the penalties' counts; a row carries the rest

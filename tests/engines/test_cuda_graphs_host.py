@@ -3,6 +3,7 @@ input buffer (tokens, positions, write slots, block tables, padding rows into th
 a stand-in for CUDA graphs that re-runs the captured step into its captured outputs. Through it,
 a batch whose rows join and leave gives each row its solo tokens."""
 
+import contextlib
 import sys
 import threading
 import time
@@ -575,3 +576,105 @@ def test_the_attention_kernels_are_compiled_before_serving_writing_only_the_tras
     for old, new in zip(before, engine.kv.k + engine.kv.v):
         assert torch.equal(old[:trash].view(torch.int32), new[:trash].view(torch.int32))
     engine.close()
+
+
+def test_a_capture_beside_the_steps_ends_holding_the_engines_capture_lock(monkeypatch):
+    """CudaGraphs.capture beside the served steps instantiates its graph (capture_end) holding
+    the engine's CaptureLock, so no step's device work runs meanwhile; the capture itself and
+    its warm-up runs do not hold it."""
+    lock = cuda_graphs.CaptureLock()
+    events = []
+
+    def elsewhere_can_take_it() -> bool:
+        took = threading.Event()
+
+        def take():
+            with lock:
+                took.set()
+
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        return took.wait(0.3)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def capture_begin(self, pool=None, capture_error_mode=None):
+            events.append(("begin", capture_error_mode, elsewhere_can_take_it()))
+
+        def capture_end(self):
+            events.append(("end", elsewhere_can_take_it()))
+
+        def pool(self):
+            return "pool"
+
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    graphs = cuda_graphs.CudaGraphs()
+    graphs.beside, graphs.lock = True, lock
+    runs = []
+    replay, out = graphs.capture(lambda: (runs.append(elsewhere_can_take_it()), (1,))[1])
+    assert out == (1,) and runs == [True] * 4  # three warm-up runs, then the captured one
+    assert events == [("begin", "thread_local", True), ("end", False)]
+    with lock:  # free again
+        pass
+
+
+def test_steps_wait_for_a_capture_ending_beside_them_and_not_once_the_graphs_serve(
+        tiny_dirs, monkeypatch):
+    """While graphs are captured beside the served steps, a step's device work waits for a
+    capture that is ending (holding the engine's CaptureLock); once the graphs serve, the
+    steps no longer take the lock. The requests get their solo tokens throughout."""
+    monkeypatch.setattr(cuda_graphs, "MIN_ATTENTION", 16)
+    engine = TorchEngine(tiny_dirs["llama"][0], context_length=96, dtype="float32", device="cpu")
+    solo = [alone(engine, p, g) for p, g in zip(PROMPTS, GREEDY)]
+    graphs = GatedGraphs()
+    engine.decoder = cuda_graphs.GraphDecoder(engine.model, engine.kv, "cpu", max_batch=4,
+                                              graphs=graphs)
+    engine.capture_lock = cuda_graphs.CaptureLock()
+    engine.compiled = engine.decoder.warm_up_beside(lock=engine.capture_lock)
+    runtime = Runtime(engine, max_batch=3, max_prefill_tokens=64)
+    log = []  # what happened, in order
+    forward, run = engine.model.forward_paged, engine.decoder.run
+    engine.model.forward_paged = lambda batch, kv: (log.append("device"), forward(batch, kv))[1]
+    engine.decoder.run = lambda rows, last=None: (log.append("device"), run(rows, last))[1]
+    steps = 0
+    holders = []
+
+    def hold(held: threading.Event, seconds: float) -> None:
+        with engine.capture_lock:
+            log.append("held")
+            held.set()
+            time.sleep(seconds)
+            log.append("released")
+
+    def after_step():
+        nonlocal steps
+        steps += 1
+        if steps in (2, 8):  # a capture ends beside the steps; later, the lock held long
+            held = threading.Event()
+            holders.append(threading.Thread(target=hold, args=(held, 0.3 if steps == 2 else 3.0),
+                                            daemon=True))
+            holders[-1].start()
+            held.wait(10)
+        if steps == 5:
+            graphs.gate.set()
+            engine.compiled.result(timeout=60)
+
+    got, _ = run_together(runtime, list(zip(PROMPTS, GREEDY)), join_at=[0, 0, 2, 3, 9],
+                          after_step=after_step)
+    assert got == solo
+    for holder in holders:
+        holder.join(10)
+    first, second = (i for i, what in enumerate(log) if what == "held")
+    # The step after the first hold did no device work until it was released ...
+    assert log[first + 1] == "released" and log[first + 2] == "device"
+    # ... and once the graphs served, the steps went on under the second.
+    assert "device" in log[second + 1: log.index("released", second)]
