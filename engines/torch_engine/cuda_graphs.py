@@ -121,8 +121,6 @@ class CudaGraphs:
         # Captures made on a thread beside the steps the engine serves meanwhile
         # (GraphDecoder.warm_up_beside), not while everything waits for them.
         self.beside = False
-        # Beside: the engine's CaptureLock, held while a capture ends.
-        self.lock: CaptureLock | None = None
 
     def capture(self, step: Callable[[], tuple]) -> tuple[Callable[[], None], tuple]:
         """Run step a few times (let the allocator and Triton's autotuning settle), then
@@ -147,35 +145,12 @@ class CudaGraphs:
                 try:
                     out = step()
                 finally:
-                    with self.lock or contextlib.nullcontext():
-                        graph.capture_end()  # and the graph's instantiation
+                    graph.capture_end()
         self._pool = graph.pool()
         return graph.replay, out
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
-
-
-class CaptureLock:
-    """Keeps a graph's instantiation and the served steps' device work apart while graphs are
-    captured beside them. Why: on an H100 (driver 580, CUDA 13), 2 of 4 cold starts on
-    2026-11-27 never switched to their compiled step: the capture thread sat in
-    cuGraphInstantiateWithFlags and the serving thread in cuEventSynchronize on its step's
-    read-back, both for minutes (py-spy's native stacks), while the warm starts and the other
-    cold ones went through. The capture thread holds it around capture_end (which
-    instantiates); the executor around each step's launch and read-back, and the engine around
-    its prompt scoring, while captures are coming. Reentrant: scoring runs the batch's steps
-    between its pieces on the same thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-
-    def __enter__(self) -> CaptureLock:
-        self._lock.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
 
 
 class CaptureAbandoned(RuntimeError):
@@ -361,18 +336,15 @@ class GraphDecoder:
             compile_summary() if self.compiled else "eager ops", time.perf_counter() - started,
         )
 
-    def warm_up_beside(self, after: Future | None = None,
-                       lock: CaptureLock | None = None) -> Future:
+    def warm_up_beside(self, after: Future | None = None) -> Future:
         """warm_up() on a thread of its own, while the engine serves with eager steps: the
         compile and the captures were most of a warm start (18 of 32 s, 1B shape, H100). The
         executor takes the graphs at the first step after they are all captured
         (TorchExecutor). The future (also self.capturing) is done then, or holds why they
         never will be: the engine then decodes eagerly on (or through graphs taken before).
         after: another decoder's capture, which this one waits for (whatever its outcome)
-        before it starts, not to compete with it. lock: the engine's, which its serving
-        thread holds around its device work while captures are coming (CaptureLock)."""
+        before it starts, not to compete with it."""
         self.graphs.beside = True
-        self.graphs.lock = lock
         cuda = self.device.startswith("cuda")
 
         def capture() -> None:

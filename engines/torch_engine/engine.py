@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,9 +34,6 @@ from .paged import PagedKV
 from .ranks import REPORT_S, PoolShape
 from .tensor_parallel import Shard, check_splits, use_peer_sums
 
-if TYPE_CHECKING:
-    from .cuda_graphs import CaptureLock
-
 log = logging.getLogger("duet.engines.torch")
 
 
@@ -50,8 +45,6 @@ class TorchEngine(GenerationEngine):
     ranks = None  # the other ranks under tensor parallelism (ranks.RankGroup)
     # Graphs of eager ops serving while the compiled ones are made (DUET_INTERIM_GRAPHS=0: none).
     interim = None
-    # Held around the serving thread's device work while graphs are captured beside it.
-    capture_lock: CaptureLock | None = None
     _own_read = float("-inf")  # when rank_status() last read this rank's memory
 
     def __init__(self, model_dir: str | Path, **options):
@@ -160,13 +153,9 @@ class TorchEngine(GenerationEngine):
         if beside and decoder is not None:
             decoder.compile_kernels()
             warmed = time.perf_counter() - started - loaded
-            from .cuda_graphs import CaptureLock
-
             trace_guard.install()  # the compile beside traces; prefills run modules meanwhile
-            self.capture_lock = CaptureLock()
-            first = (interim.warm_up_beside(lock=self.capture_lock) if interim is not None
-                     else None)
-            self.compiled = decoder.warm_up_beside(after=first, lock=self.capture_lock)
+            first = interim.warm_up_beside() if interim is not None else None
+            self.compiled = decoder.warm_up_beside(after=first)
             self.decoder, self.interim = decoder, interim
             if interim is not None:
                 # Once the compiled graphs serve, the interim ones' memory is let go (the
@@ -217,17 +206,7 @@ class TorchEngine(GenerationEngine):
     def executor(self, *, prefix_cache: bool = False) -> TorchExecutor:
         # The KV lives in the pool's blocks: their reuse is the scheduler's.
         return TorchExecutor(self.model, self.kv, self.device, self.decoder, self.ranks,
-                             interim=self.interim, capture_lock=self.capture_lock)
-
-    def _apart_from_captures(self):
-        """What a forward through the modules outside the steps holds: the capture lock while
-        graphs are still captured beside the steps (CaptureLock), and trace_guard's lock."""
-        capturing = self.compiled is not None and not self.compiled.done()
-        guards = contextlib.ExitStack()
-        if capturing and self.capture_lock is not None:
-            guards.enter_context(self.capture_lock)
-        guards.enter_context(trace_guard.eager())
-        return guards
+                             interim=self.interim)
 
     def _drop_interim(self, compiled) -> None:
         if compiled.exception() is None:
@@ -235,7 +214,7 @@ class TorchEngine(GenerationEngine):
 
     def logits(self, prompt_ids: Sequence[int]) -> np.ndarray:
         self.check_fits(len(prompt_ids), 0)
-        with (self._apart_from_captures(), torch.inference_mode(),
+        with (trace_guard.eager(), torch.inference_mode(),
               self.model.scratch_cache(len(prompt_ids))):
             tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
             return self.model(tokens, 0)[0].float().cpu().numpy()
@@ -244,8 +223,7 @@ class TorchEngine(GenerationEngine):
         from .scoring import score_continuations
 
         longest = max(len(p) for p in prompts) + max(len(c) for c in continuations)
-        with (self._apart_from_captures(),
-              self.model.scratch_cache(min(longest, self.context_length))):
+        with trace_guard.eager(), self.model.scratch_cache(min(longest, self.context_length)):
             return score_continuations(self.model, prompts, continuations, self.device,
                                        should_stop)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +21,6 @@ from .processing import RowProcessor, StepProcessing
 from .sampling import (Sampler, ScoredRows, sample_rows, score_tokens, scores_table,
                        token_logprobs)
 from .transfer import ReadBack
-
-if TYPE_CHECKING:
-    from .cuda_graphs import CaptureLock
 
 
 def prefill_attention(device: str):
@@ -62,11 +58,8 @@ class Launched:
 
 
 class TorchExecutor:
-    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None, interim=None,
-                 capture_lock: CaptureLock | None = None):
+    def __init__(self, model, kv: PagedKV, device: str, decoder=None, ranks=None, interim=None):
         self.model, self.kv, self.device = model, kv, device
-        # Held around each launch and read-back while graphs are captured beside the steps.
-        self._capture_lock = capture_lock
         # Under tensor parallelism (ranks.py): the other ranks, told each step before it runs.
         self.ranks = ranks
         self.window = model.args.sliding_window
@@ -116,21 +109,13 @@ class TorchExecutor:
         """Queue the step's work on the device; collect() reads its tokens."""
         self._told = False
         try:
-            with self._apart_from_captures():
-                return self._launch(plan)
+            return self._launch(plan)
         except Exception as exc:  # under tensor parallelism: gloo's when a rank is gone, or ours
             if self.ranks is not None:
                 raise self.ranks.failed(exc, self._told) from exc
             if isinstance(exc, torch.OutOfMemoryError):
                 raise out_of_memory(exc) from exc
             raise
-
-    def _apart_from_captures(self):
-        """The capture lock while decoders' graphs are still coming (cuda_graphs.CaptureLock:
-        no step's device work while a capture instantiates its graph)."""
-        if self._coming and self._capture_lock is not None:
-            return self._capture_lock
-        return contextlib.nullcontext()
 
     def _launch(self, plan: StepPlan):
         self._settle()  # the last step's picks, which this step's PENDING rows read
@@ -232,8 +217,7 @@ class TorchExecutor:
 
     def collect(self, handle: Launched) -> StepOutput:
         try:
-            with self._apart_from_captures():
-                return self._collect(handle)
+            return self._collect(handle)
         except torch.OutOfMemoryError as exc:  # the deferred draw's, or the scores' read-back
             raise out_of_memory(exc) from exc
 

@@ -20,7 +20,6 @@ class ReplayedGraphs:
     def __init__(self):
         self.captured = []
         self.beside = False  # as CudaGraphs: set when the captures run beside the steps
-        self.lock = None  # as CudaGraphs: the engine's CaptureLock, beside
 
     def capture(self, step):
         out = step()
