@@ -212,7 +212,7 @@ class TorchExecutor:
         it for this step's mask. Waits for that step alone; this step's forward is queued by
         then, so the device works while the host reads the token and computes the mask."""
         if not isinstance(self._last_read, list):
-            self._last_read = ReadBack.finish(self._last_read)
+            self._last_read = self._readback.finish(self._last_read)
         return self._last_read[self._last[1][seq_id]]
 
     def collect(self, handle: Launched) -> StepOutput:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .device_watch import DeviceWatch
+
 
 def to_device(values, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """A host list or array as a tensor on the device, copied without waiting for the device
@@ -96,8 +98,9 @@ class ReadBack:
     (by then the device is running the next step). Two buffers, since step N+1's copy is
     queued before step N's ids are read. Elsewhere the ids are read at once."""
 
-    def __init__(self, device: str, capacity: int = 1024):
+    def __init__(self, device: str, capacity: int = 1024, watch: DeviceWatch | None = None):
         self.cuda = device.startswith("cuda")
+        self.watch = watch or DeviceWatch()  # a wait that never ends stops the process
         self._buffers = [torch.zeros(capacity, dtype=torch.long, pin_memory=True)
                          for _ in range(2)] if self.cuda else []
         self._turn = 0
@@ -112,10 +115,10 @@ class ReadBack:
         done.record()
         return buffer, done
 
-    @staticmethod
-    def finish(pending) -> list[int]:
+    def finish(self, pending) -> list[int]:
         if isinstance(pending, list):
             return pending
         buffer, done = pending
-        done.synchronize()
+        with self.watch.waiting("a step's read-back"):
+            done.synchronize()
         return buffer.tolist()
