@@ -87,7 +87,9 @@ if triton is not None:
         bits the row holds; its middle splits it, then the end that moves snaps to the nearest
         bits present on its side."""
         while lo < hi:
-            cut = lo + (hi - lo + 1) // 2
+            # In 64 bits: from bits 0 (a zero) to a NaN's 0x7FFFFFFF, int32's hi - lo + 1
+            # wrapped to a cut below lo, and a top_k row of NaNs and zeros searched for ever.
+            cut = ((lo.to(tl.int64) + hi.to(tl.int64) + 1) // 2).to(tl.int32)
             total, above, below = _split(row, V, cut, floor, BLOCK, MASS)
             if total >= goal:
                 lo = above

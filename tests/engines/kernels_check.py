@@ -297,6 +297,14 @@ def check_borders(device="cpu") -> None:
             sorted_draw = Sampler(captured=True)(logits, floats, ints, v)
             searched_draw = Sampler(captured=True, borders=borders)(logits, floats, ints, v)
             assert torch.equal(sorted_draw, searched_draw), (v, case)
+    # A row of a model gone to NaN (a NaN's bits are 0x7FFFFFFF on the GPU) beside zeros (masked
+    # tokens): the search ends (its midpoint once wrapped in int32, and the kernel ran for ever).
+    probs = torch.rand(2, 1000, device=device) / 1000
+    probs.view(torch.int32)[0, 5] = 0x7FFFFFFF
+    probs[0, 7] = 0.0
+    floats = torch.tensor([[1.0, -math.inf, 0.9]] * 2, device=device)
+    found = borders(probs, floats, torch.tensor([[0, 0, 40]] * 2, device=device)).cpu()
+    assert found.shape == (2, 1) and 0 < found[1, 0] < probs[1].max().cpu()
 
 
 def tiny_engine(window: int | None, device: str):
