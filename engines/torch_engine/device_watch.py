@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 log = logging.getLogger("duet.engines.torch")
 
-DEVICE_WAIT_LIMIT_S = float(os.environ.get("DUET_DEVICE_WAIT_LIMIT_S", "120"))
+DEVICE_WAIT_LIMIT_S = float(os.environ.get("DUET_DEVICE_WAIT_LIMIT_S", "60"))
 
 
 class DeviceWatch:
