@@ -56,6 +56,9 @@ PRELUDE = '''
 import json, os, sys, traceback
 URL = os.environ["DUET_URL"]; V1 = URL + "/v1"; MODEL = os.environ["DUET_MODEL"]
 TEXT = "Extract the person: John Smith is 30 years old."
+# The request as one writes it where only JSON's syntax is enforced (json_object): the keys named
+# in the prompt, not left to a schema shown in the system message (see LIMITS).
+KEYED_TEXT = "Answer in JSON with the keys name and age. " + TEXT
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather",
@@ -178,8 +181,7 @@ m = llm.invoke("What is the weather in Paris?")
 assert m.tool_calls and m.tool_calls[0]["name"] == "get_weather", m
 return str(m.tool_calls[0]["args"])'''),
     *(("langchain-openai", f"with_structured_output(Person, method='{method}')", '''
-p = chat_openai().with_structured_output(Person, method="__METHOD__").invoke(
-    "Answer in JSON with the keys name and age. " + TEXT)
+p = chat_openai().with_structured_output(Person, method="__METHOD__").invoke(KEYED_TEXT)
 assert isinstance(p, Person), p
 return repr(p)'''.replace("__METHOD__", method)) for method in ("function_calling", "json_schema",
                                                             "json_mode")),
@@ -187,7 +189,7 @@ return repr(p)'''.replace("__METHOD__", method)) for method in ("function_callin
 import instructor
 client = instructor.from_openai(openai_client(), mode=instructor.Mode.__MODE__)
 return repr(client.chat.completions.create(model=MODEL, response_model=Person, max_retries=1,
-    temperature=0, max_tokens=64, messages=[{"role": "user", "content": TEXT}]))'''
+    temperature=0, max_tokens=64, messages=[{"role": "user", "content": KEYED_TEXT}]))'''
        .replace("__MODE__", mode)) for mode in ("JSON", "JSON_SCHEMA", "TOOLS")),
     ("pydantic-ai", "Agent(output_type=Person).run_sync", '''
 from pydantic_ai import Agent
@@ -275,9 +277,11 @@ about the weather with the tool left to it, the model rambles past 64 tokens, so
 the SDK's default settings asks for a capital instead. JSON follows the schema whenever one is
 sent (`response_format` json_schema, a forced tool); with `json_object` alone (instructor's JSON
 mode, langchain's json_mode) only the syntax is enforced, and the model, shown a schema in the
-prompt, may copy the schema instead of filling it in (instructor's JSON mode: it writes
-`{"properties": {"name": "John Smith", "age": 30}, "required": [...` and goes on listing
-strings until `max_tokens`; with `max_tokens` 200 and `max_retries=3` the same). Its free
+prompt, may copy the schema instead of filling it in: asked only "Extract the person: John
+Smith is 30 years old.", instructor's JSON mode gets `{"properties": {"name": "John Smith",
+"age": 30}, "required": [...` and strings listed until `max_tokens` (with `max_tokens` 200 and
+`max_retries=3` the same), so the JSON-mode checks (instructor's three modes and langchain's)
+name the keys in the prompt, as one does where only the syntax is enforced. Its free
 answers seldom match a reference exactly (it answers "Q: ...? A:" with a whole sentence), so
 generation scores in lm-eval are low, while log-likelihood scoring of fixed choices fares
 better. These checks test the plumbing, not the quality."""
