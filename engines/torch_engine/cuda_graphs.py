@@ -114,33 +114,52 @@ def compile_summary() -> str:
 class CudaGraphs:
     """Captures a step as a CUDA graph and hands back its replay. The graphs share one memory
     pool, since only one runs at a time and its outputs are read before the next. (Tests stand
-    in a fake that re-runs the step, so the host bookkeeping is exercised on the CPU.)"""
+    in a fake that re-runs the step, so the host bookkeeping is exercised on the CPU.)
+
+    Every capture is made on one stream that runs nothing else (the capture stream), and every
+    warm-up run on another (the warm-up stream). Why: a captured GEMM keeps the cuBLAS
+    workspace of the capturing thread's handle and the capturing stream (PyTorch keys its
+    workspaces by both), and a thread that ends hands its handle to the next thread that asks.
+    Capturing on a fresh pool stream each time, warm-ups included, a compiled decoder's thread
+    (handed the interim decoder's handle) ran its warm-ups and Inductor's tuning on pool streams
+    that interim graphs had been captured on, while the serving thread replayed those graphs:
+    two GEMMs at once on one workspace, whose split-K semaphores then never came right. The GPU
+    spun at 100% on a step that never ended (4 of 8 first starts with a stream, H100,
+    2026-11-27; docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self._pool = None
         # Captures made on a thread beside the steps the engine serves meanwhile
         # (GraphDecoder.warm_up_beside), not while everything waits for them.
         self.beside = False
+        self._streams: tuple | None = None  # (warm-up, capture), made at the first capture
+
+    def streams(self) -> tuple:
+        """The warm-up stream and the capture stream, the same for every capture."""
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._streams
 
     def capture(self, step: Callable[[], tuple]) -> tuple[Callable[[], None], tuple]:
         """Run step a few times (let the allocator and Triton's autotuning settle), then
         capture it once. Returns the replay and the step's outputs, which every replay
         overwrites."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        warm, capturing = self.streams()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
             for _ in range(3):
                 step()
-        torch.cuda.current_stream().wait_stream(side)
+        capturing.wait_stream(warm)
+        torch.cuda.current_stream().wait_stream(warm)
         graph = torch.cuda.CUDAGraph()
         if not self.beside:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=capturing):
                 out = step()
         else:
-            # Thread-local, on the warm-up's stream, with no device-wide synchronize or cache
-            # emptying (torch.cuda.graph's): the eager steps another thread launches meanwhile
-            # are no part of the capture, and their calls do not break it.
-            with torch.cuda.stream(side):
+            # Thread-local, with no device-wide synchronize or cache emptying
+            # (torch.cuda.graph's): the eager steps another thread launches meanwhile are no
+            # part of the capture, and their calls do not break it.
+            with torch.cuda.stream(capturing):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     out = step()

@@ -575,3 +575,99 @@ def test_the_attention_kernels_are_compiled_before_serving_writing_only_the_tras
     for old, new in zip(before, engine.kv.k + engine.kv.v):
         assert torch.equal(old[:trash].view(torch.int32), new[:trash].view(torch.int32))
     engine.close()
+
+
+class _FakeCuda:
+    """torch.cuda's streams and graphs as CudaGraphs.capture uses them, on the CPU: each
+    thread's current stream, and for every run of a step the stream it ran on and whether a
+    capture was under way there."""
+
+    def __init__(self):
+        self.made, self.runs, self._local = [], [], threading.local()
+        self.default = self.Stream()
+        self.made.clear()
+        fake = self
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                fake.capturing = fake.current_stream()
+
+            def capture_end(self):
+                fake.capturing = None
+
+            def pool(self):
+                return "pool"
+
+            def replay(self):
+                pass
+
+        self.CUDAGraph, self.capturing = Graph, None
+
+    def Stream(self):
+        stream = type("FakeStream", (), {"wait_stream": lambda self, other: None})()
+        self.made.append(stream)
+        return stream
+
+    def current_stream(self):
+        return getattr(self._local, "stack", [self.default])[-1]
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def within():
+            self._local.stack = [*getattr(self._local, "stack", [self.default]), s]
+            try:
+                yield
+            finally:
+                self._local.stack.pop()
+        return within()
+
+    def graph(self, g, pool=None, stream=None):
+        import contextlib
+
+        @contextlib.contextmanager
+        def capturing():
+            with self.stream(stream):
+                g.capture_begin(pool)
+                try:
+                    yield
+                finally:
+                    g.capture_end()
+        return capturing()
+
+    def step(self):
+        self.runs.append((self.current_stream(), self.capturing is not None))
+        return ()
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_captures_share_one_stream_that_runs_no_warm_up(monkeypatch, beside):
+    """A captured GEMM keeps the cuBLAS workspace of its thread's handle and its stream: a
+    warm-up (or Inductor's tuning) on a stream that graphs were captured on races those graphs'
+    replays on that workspace (a GPU that spun for ever on a first start). Every capture of a
+    CudaGraphs is on one stream, its warm-ups on another, and no capture takes a new stream."""
+    fake = _FakeCuda()
+    for name in ("Stream", "current_stream", "stream", "graph", "CUDAGraph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    graphs = cuda_graphs.CudaGraphs()
+    graphs.beside = beside
+
+    def capture_on_a_thread():
+        with fake.stream(fake.Stream()):  # warm_up_beside's thread has a stream of its own
+            for _ in range(3):
+                graphs.capture(fake.step)
+
+    if beside:
+        thread = threading.Thread(target=capture_on_a_thread)
+        thread.start()
+        thread.join()
+    else:
+        for _ in range(3):
+            graphs.capture(fake.step)
+    captured = {id(s) for s, capturing in fake.runs if capturing}
+    warmed = {id(s) for s, capturing in fake.runs if not capturing}
+    assert len([r for r in fake.runs if r[1]]) == 3 and len(fake.runs) == 12
+    assert len(captured) == 1 and len(warmed) == 1 and not captured & warmed
+    assert id(fake.default) not in captured | warmed
+    assert len(fake.made) == 2 + beside  # the two streams, once (and the thread's own)
