@@ -3,12 +3,14 @@ requests, and every request after them, for ever.
 
 Why: on an H100 (2026-11-27), 4 of 8 first starts with a stream running while the compiled
 step was made never answered again: the serving thread waited on its step's read-back event
-for minutes (py-spy's native stacks in docs/bench/start-cold-hang-stacks-h100-2026-11-27.txt),
-and keeping the graph captures apart from the steps did not help. A step's tokens come back in
-milliseconds, a long prefill chunk's in seconds; a wait past DEVICE_WAIT_LIMIT_S is a device
-that will not finish. The process then prints every thread's stack and exits: its requests
-end with an error, and the server loads the model anew at the next request (in an engine
-process, the default on CUDA; with --engine-process off the process is the server's)."""
+for minutes (py-spy's native stacks in docs/bench/start-cold-hang-stacks-h100-2026-11-27.txt)
+while the GPU ran at 100% on a step that never ended. The cause was found and removed
+(CudaGraphs: two GEMMs on one cuBLAS workspace); this watch stays for whatever else would
+hang a device. A step's tokens come back in milliseconds, a long prefill chunk's in seconds; a
+wait past DEVICE_WAIT_LIMIT_S is a device that will not finish. The process then prints every
+thread's stack and exits: its requests end with an error, and the server loads the model anew
+at the next request (in an engine process, the default on CUDA; with --engine-process off the
+process is the server's)."""
 
 from __future__ import annotations
 
