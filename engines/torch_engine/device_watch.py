@@ -10,7 +10,8 @@ hang a device. A step's tokens come back in milliseconds, a long prefill chunk's
 wait past DEVICE_WAIT_LIMIT_S is a device that will not finish. The process then prints every
 thread's stack and exits: its requests end with an error, and the server loads the model anew
 at the next request (in an engine process, the default on CUDA; with --engine-process off the
-process is the server's)."""
+process is the server's). scripts/check_device_watch.py runs it against a kernel that
+never ends, on a GPU."""
 
 from __future__ import annotations
 
