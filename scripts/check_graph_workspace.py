@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -125,10 +126,7 @@ def main() -> int:
     args = p.parse_args()
     if args.mode:
         print(json.dumps(run_mode(args.mode, args.seconds)), flush=True)
-        sys.stdout.flush()
         # Daemon threads holding CUDA handles at interpreter exit can abort it: leave at once.
-        import os
-
         os._exit(0)
     rows = []
     for mode in MODES:

@@ -134,17 +134,13 @@ class CudaGraphs:
         self.beside = False
         self._streams: tuple | None = None  # (warm-up, capture), made at the first capture
 
-    def streams(self) -> tuple:
-        """The warm-up stream and the capture stream, the same for every capture."""
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
-        return self._streams
-
     def capture(self, step: Callable[[], tuple]) -> tuple[Callable[[], None], tuple]:
         """Run step a few times (let the allocator and Triton's autotuning settle), then
         capture it once. Returns the replay and the step's outputs, which every replay
         overwrites."""
-        warm, capturing = self.streams()
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        warm, capturing = self._streams
         warm.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(warm):
             for _ in range(3):
