@@ -25,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -119,6 +120,22 @@ def release() -> None:
         if pauses.holds == 0 and pauses.saved is not None:
             gc.set_threshold(*pauses.saved)
             pauses.saved = None
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """The oldest generation held (hold_oldest) for the block: a start-up's. Its imports and load
+    make millions of objects that live for good, and each collection of the oldest generation
+    meanwhile walks all that came before it (on a 2-core CPU, torch's, transformers' and
+    Inductor's imports alone met ten of them, 1.2 s). Not with DUET_GC_FREEZE=0."""
+    if not freezing_wanted():
+        yield
+        return
+    hold_oldest()
+    try:
+        yield
+    finally:
+        release()
 
 
 def freezing_wanted() -> bool:

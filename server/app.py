@@ -70,7 +70,8 @@ def create_app(settings: Settings | None = None, factory: EngineFactory | None =
         if settings.preload:
             engine = registry.default_engine(startup_model)
             log.info("loading %s on the %s engine", startup_model, engine)
-            await registry.worker(startup_model, engine)
+            with gc_pauses.held():  # the load's imports, then settled below
+                await registry.worker(startup_model, engine)
         # What the server imported and loaded lives as long as it does: kept out of the
         # collections that would otherwise walk it, stalling every stream (gc_pauses.py).
         gc_pauses.settle("the server started", None)

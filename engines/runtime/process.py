@@ -232,20 +232,34 @@ def serve(commands, events, name: str, log_level: int,
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     gc_pauses.watch()
+    with gc_pauses.held():  # imports and the load: settled (collected, frozen) once loaded
+        child = _start(commands, events, name, prepare)
+    if child is not None:
+        child.serve(commands)
+
+
+def _start(commands, events, name: str, prepare: Callable[[], None] | None) -> _Child | None:
+    """The engine built as asked, and the parent told; None if it was not (the parent went
+    away, closed before asking, or the load failed: the parent was told)."""
+    started = time.perf_counter()
     if prepare is not None:
         try:
             prepare()
         except Exception:  # the load says what is wrong, in its own words
             log.debug("preparing the engine process failed", exc_info=True)
+    prepared = time.perf_counter()
     try:
         msg = commands.recv()
     except (EOFError, OSError):
-        return  # the parent went away before asking
+        return None  # the parent went away before asking
     except Exception as exc:  # what to build could not be read here (an import it needs)
         events.send(("failed", _portable(exc)))
-        return
+        return None
     if msg[0] != "load":
-        return  # closed before it was asked to load (the budget refused the model)
+        return None  # closed before it was asked to load (the budget refused the model)
+    # Where a start's seconds go before the load: the imports, then the parent's decisions.
+    log.info("engine process: its imports took %.1fs, then it waited %.1fs to be asked to load",
+             prepared - started, time.perf_counter() - prepared)
     make = msg[1]
     child = _Child(events, name)
     try:
@@ -255,12 +269,12 @@ def serve(commands, events, name: str, log_level: int,
     except BaseException as exc:
         child.loop.close()
         events.send(("failed", _portable(exc)))
-        return
+        return None
     child.engine = engine
     child._send(("loaded", description, child.loop.status()))
     if isinstance(engine, GenerationEngine) and engine.compiled is not None:
         engine.compiled.add_done_callback(lambda _: child.send_status())
-    child.serve(commands)
+    return child
 
 
 # -- the parent -----------------------------------------------------------------------------

@@ -68,6 +68,24 @@ def test_the_oldest_generation_is_held_until_every_hold_is_released():
     assert gc.get_threshold() == saved
 
 
+def test_a_start_up_holds_the_oldest_generation_unless_the_collector_is_left_alone(
+        monkeypatch):
+    saved = gc.get_threshold()
+    monkeypatch.setenv("DUET_GC_FREEZE", "1")
+    with gc_pauses.held():
+        assert gc.get_threshold() == (saved[0], saved[1], gc_pauses.HELD)
+    assert gc.get_threshold() == saved
+    try:
+        with gc_pauses.held():
+            raise ValueError("a load that fails")
+    except ValueError:
+        pass
+    assert gc.get_threshold() == saved
+    monkeypatch.setenv("DUET_GC_FREEZE", "0")
+    with gc_pauses.held():
+        assert gc.get_threshold() == saved
+
+
 def test_a_load_is_settled_and_a_compile_beside_holds_the_oldest_generation_till_it_comes():
     """In a process of its own, with DUET_GC_FREEZE=1 (the suite runs with 0)."""
     code = textwrap.dedent("""

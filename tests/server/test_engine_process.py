@@ -244,6 +244,40 @@ async def test_an_engine_process_keeps_what_it_loaded_and_compiled_out_of_collec
         await worker.aclose(10)
 
 
+class RecordsItsLoad(EchoEngine):
+    """Keeps the oldest generation's threshold while it was built."""
+
+    def __init__(self, *args, **kw):
+        import gc
+
+        self.threshold_while_loading = gc.get_threshold()[2]
+        super().__init__(*args, **kw)
+
+
+def thresholds(engine, should_stop) -> tuple[int, int]:
+    """The oldest generation's threshold while the child loaded, and now."""
+    import gc
+
+    return engine.threshold_while_loading, gc.get_threshold()[2]
+
+
+async def test_an_engine_process_collects_no_oldest_generation_till_it_loaded(monkeypatch):
+    """Its imports and its load make what it keeps for good: no collection walks them meanwhile
+    (they are collected and frozen once, when loaded)."""
+    import gc
+
+    from engines.gc_pauses import HELD
+
+    monkeypatch.setenv("DUET_GC_FREEZE", "1")
+    worker = EngineWorker("w", process=True)
+    await worker.load(partial(RecordsItsLoad, "fake", max_batch=4))
+    try:
+        assert await worker.call("bench", thresholds) == (HELD, gc.get_threshold()[2])
+        assert (await run(worker, "abc"))[0] == "cba"
+    finally:
+        await worker.aclose(10)
+
+
 @pytest.mark.parametrize("process", [False, True])
 async def test_the_status_says_why_a_compiled_step_failed(process, tmp_path):
     """The engine steps eagerly on; /health's status carries the error (and a benchmark that

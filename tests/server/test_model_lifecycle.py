@@ -241,3 +241,25 @@ def test_a_model_larger_than_the_whole_budget_is_refused_at_once(make):
         assert_openai_error(r, 503, code="model_unavailable")
         assert "more than the whole memory budget" in r.json()["error"]["message"]
         assert factory.loads == []
+
+
+def test_the_start_up_load_runs_with_the_oldest_generation_held(make_client, monkeypatch):
+    """What the server's start imports and loads lives for good: no collection walks it while
+    it loads; the collector is as it was once the server started."""
+    import gc
+
+    from engines import gc_pauses
+
+    class RecordsItsLoad(CountingFactory):
+        def create(self, name, spec, kv_cache_limit=None):
+            self.threshold_while_loading = gc.get_threshold()[2]
+            return super().create(name, spec, kv_cache_limit)
+
+    monkeypatch.setenv("DUET_GC_FREEZE", "1")
+    # the freeze itself is the engine process's test's: this process's garbage must go
+    monkeypatch.setattr(gc_pauses, "settle", lambda what, compiled: None)
+    usual = gc.get_threshold()
+    with make_client(RecordsItsLoad()) as client:
+        assert client.factory.threshold_while_loading == gc_pauses.HELD
+        assert gc.get_threshold() == usual
+        assert chat(client).status_code == 200
