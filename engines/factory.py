@@ -48,18 +48,20 @@ def require_backend(name: str) -> None:
 
 def import_backend(name: str) -> None:
     """Import what building the named engine imports (seconds of torch and its compiler or of
-    MLX, then of the tokenizer's library), in an engine's process before it is asked to load.
-    In that order, one after the other: transformers imports torch's compiler too, and two
-    threads importing one module from both ends is a deadlock Python raises as an error."""
-    from .tokenizer import import_transformers
-
+    MLX), in an engine's process before it is asked to load. The tokenizer's library is left
+    to the load, which builds the tokenizer beside its weights (tokenizer.load_hf_tokenizer:
+    the class's own module, under 2 s); on a model's first start AutoTokenizer imports
+    torch's compiler too, already imported by then (two threads importing one module from
+    both ends is a deadlock Python raises as an error)."""
     if name == "torch":
         from .torch_engine.engine import import_compiler
 
         import_compiler()  # an engine process is for a GPU, where the load compiles
     else:
         from . import mlx_engine  # noqa: F401
-    import_transformers()
+        from .tokenizer import import_transformers
+
+        import_transformers()
 
 
 def create_engine(

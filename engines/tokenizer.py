@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .beside import run_beside
+
+log = logging.getLogger("duet.engines.tokenizer")
 
 
 def _gpt2_byte_map() -> dict[str, int]:
@@ -46,9 +52,63 @@ def piece_bytes(piece: str | None, byte_level: bool) -> bytes | None:
     return None
 
 
+# The files AutoTokenizer decides a directory's tokenizer class by (with transformers' version).
+_DECIDED_BY = ("tokenizer_config.json", "config.json", "tokenizer.json", "special_tokens_map.json",
+               "tokenizer.model")
+
+
+def load_hf_tokenizer(model_dir: Path):
+    """transformers' tokenizer for model_dir, of the class AutoTokenizer chose for it.
+
+    AutoTokenizer itself imports transformers' model and generation code, which import torch's
+    compiler (and scikit-learn and SciPy where installed): 8 s of an engine process's start on
+    an H100 host, where the tokenizer class's own module takes under 2. So its choice is kept
+    (DUET_CACHE_DIR/tokenizers, by transformers' version and the files it decides by) and the
+    next start builds that class directly, as AutoTokenizer would."""
+    import importlib
+
+    import transformers
+
+    record = _choice_record(model_dir, transformers.__version__)
+    if record is not None and record.exists():
+        try:
+            module, name = json.loads(record.read_text())
+            return getattr(importlib.import_module(module), name).from_pretrained(str(model_dir))
+        except Exception:  # a record of another install: AutoTokenizer decides again
+            log.debug("the kept tokenizer class of %s did not load", model_dir, exc_info=True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cls = type(tok)
+    if record is not None and cls.__module__.startswith("transformers."):  # no remote code
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps([cls.__module__, cls.__name__]))
+            partial.replace(record)
+        except OSError:  # a read-only cache: AutoTokenizer decides on every start
+            log.debug("the tokenizer class of %s could not be kept", model_dir, exc_info=True)
+    return tok
+
+
+def _choice_record(model_dir: Path, version: str) -> Path | None:
+    from .models.sources import cache_root
+
+    digest = hashlib.sha256(version.encode())
+    try:
+        for name in _DECIDED_BY:
+            path = model_dir / name
+            digest.update(name.encode() + (path.read_bytes() if path.exists() else b"-"))
+    except OSError:
+        return None
+    return cache_root() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
+
+
 def import_transformers() -> None:
-    """Import the modules a ChatTokenizer is built and unpickled with (seconds, ahead of time)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+    """Import the module a ChatTokenizer is most often built and unpickled with, ahead of time
+    (transformers' generic fast tokenizer; a class of its own, or AutoTokenizer on a model's
+    first start, imports more when it is used)."""
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
 
 
 def build_beside(model_dir: str | Path) -> Callable[[], ChatTokenizer]:
@@ -63,9 +123,7 @@ class ChatTokenizer:
     _grammar = None  # llguidance's view of the vocabulary, built on first use (not pickled)
 
     def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._tok = load_hf_tokenizer(Path(model_dir))
         # The HTTP side encodes while the engine's loop decodes. A Rust tokenizer that one
         # thread reconfigures (truncation, padding) while another reads it fails with "Already
         # borrowed", so every call into it holds this lock (uncontended: ~0.1 us).
@@ -104,8 +162,6 @@ class ChatTokenizer:
         self._lock = threading.Lock()
 
     def _find_eos_ids(self, model_dir: Path) -> frozenset[int]:
-        import json
-
         ids: set[int] = set()
         if self._tok.eos_token_id is not None:
             ids.add(self._tok.eos_token_id)
