@@ -12,15 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .base import UnsupportedModel
+from .tokenizer import load_hf_tokenizer
 
 _PROBE = "a"
 
 
 class EmbedTokenizer:
     def __init__(self, model_dir: Path, max_tokens: int, lower_case: bool = False):
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._tok = load_hf_tokenizer(Path(model_dir))
         self.lower_case = lower_case
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else 0
         self.prefix, self.suffix = self._frame()

@@ -187,3 +187,24 @@ def test_checkpoint_names_map_onto_the_encoders():
     assert duet_name("encoder.layer.1.attention.output.dense.bias") == "layers.1.attn_out.bias"
     for unused in ("pooler.dense.weight", "embeddings.position_ids", "classifier.weight"):
         assert duet_name(unused) is None
+
+
+def test_the_second_load_builds_its_tokenizer_without_autotokenizer(tiny, tmp_path,
+                                                                    monkeypatch):
+    """An embed model's tokenizer, as a chat model's, is of the class AutoTokenizer chose on
+    the model's first load (tokenizer.load_hf_tokenizer), with the same vectors."""
+    import transformers
+
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path))
+    first = create_engine("torch", tiny["mean"][0], context_length=4096, dtype="float32",
+                          task="embed")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("AutoTokenizer was asked again")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refused)
+    second = create_engine("torch", tiny["mean"][0], context_length=4096, dtype="float32",
+                           task="embed")
+    a, b = embed(first, ["the quick brown fox", LONG]), embed(second, ["the quick brown fox", LONG])
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(np.asarray(a.vectors), np.asarray(b.vectors))
