@@ -1,7 +1,11 @@
 """Group-wise int4 weights times bfloat16 activations in Triton kernels of duet's own, for
-CUDA: an alternative to tinygemm (torch._weight_int4pack_mm), opt-in with
-DUET_INT4_KERNEL=triton (on an H100, 2026-11-26, its best tiling was 1.5-1.8x slower than
-tinygemm at one row and up to 5x faster at 64: docs/benchmarks.md).
+CUDA. By default they take the products of more than 16 rows (a batched decode step, a
+prefill) of weights kept in tinygemm's layout, which tinygemm (torch._weight_int4pack_mm)
+multiplies fast only at a few rows (int4_mm_tiny; on an H100, 2026-11-26, these tiles on
+their own layout were 1.5-1.8x slower than tinygemm at one row and up to 5x faster at 64,
+docs/benchmarks.md). With
+DUET_INT4_KERNEL=triton a layer keeps its weight in the kernels' own layout instead (below)
+and takes them at every row count.
 
 Why: measured on an H100 (docs/benchmarks.md, 2026-11-24), tinygemm read its 4-bit weights at
 about half the bandwidth bf16's products reach (the 8B shape decoded 1.81x bf16 at batch 1,
@@ -30,12 +34,15 @@ from ..device import cuda_multiprocessors
 from .decode_attention import triton
 
 PACK = 8  # 4-bit values an int32 holds
+TINY_K = 128  # inputs of one of tinygemm's k-chunks: 8 tiles of 16, 32 words of a column's 8
 # Past this many rows a product dequantizes the weight to bfloat16 once and multiplies densely.
 DEQUANT_ROWS = 256
 SUM_BLOCK = 1024
 
 if triton is not None:
     import triton.language as tl
+
+    _TINY_K = tl.constexpr(TINY_K)
 
     @triton.jit
     def _spread(v, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -61,6 +68,33 @@ if triton is not None:
         centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
         return (centred * _spread(scale, GROUP, BLOCK_K, BLOCK_N)
                 + _spread(zero, GROUP, BLOCK_K, BLOCK_N))
+
+    @triton.jit
+    def _tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Inputs start..start+BLOCK_K (whole chunks of TINY_K) of the columns `cols` of a
+        weight in tinygemm's layout (tiny_pack), dequantized: (float32 [BLOCK_N, BLOCK_K], the
+        input each of its BLOCK_K columns is). The inputs come in the order the words hold
+        them, not ascending: the caller reads its activations in the same order, and a product
+        sums in any. Each word is read once and its 8 values taken from it in registers; each
+        word's values share a group, whose scale and zero are read beside it."""
+        r = tl.arange(0, BLOCK_K // 8)  # a column's words: (chunk, b, w), w fastest
+        chunk = start // _TINY_K + r // 16
+        b = (r // 4) % 4
+        w = r % 4
+        lane = 4 * (cols % 8)  # t = 4a + b, a = the column within its 8
+        words = tl.load(QW + ((cols // 8)[:, None] * (K // _TINY_K) + chunk[None, :]) * 128
+                        + (lane[:, None] + b[None, :]) * 4 + w[None, :],
+                        mask=col_ok[:, None], other=0)
+        j = tl.arange(0, 8)  # nibble j = 4h + i holds input 8i + 2b + h of its 32
+        q = (words[:, :, None] >> (4 * j)[None, None, :]) & 0xF
+        g = ((chunk * _TINY_K + w * 32) // GROUP)[None, :] * N + cols[:, None]
+        scale = tl.load(SZ + 2 * g, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(SZ + 2 * g + 1, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # as _weight_tile
+        weights = centred * scale[:, :, None] + zero[:, :, None]
+        ks = (chunk * _TINY_K + w * 32 + 2 * b)[:, None] + (8 * (j % 4) + j // 4)[None, :]
+        return tl.reshape(weights, (BLOCK_N, BLOCK_K)), tl.reshape(ks, (BLOCK_K,))
 
     @triton.jit
     def tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -94,17 +128,48 @@ if triton is not None:
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _dequant_kernel(QW, Scales, Zeros, W, N, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+    def _int4_mm_tiny_kernel(X, QW, SZ, Out, M, N, K, GROUP: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                             BF16_DOT: tl.constexpr):
+        """_int4_mm_kernel of a weight in tinygemm's layout (QW its words, SZ its [K/group, N,
+        2] scales and zeros), multiplied the other way round: Out^T = dequant(QW)[N, K] @ X^T,
+        so that the weight tile, made in registers, is the product's first operand (which
+        Hopper's tensor cores take from registers) and its columns the product's rows, the
+        activations' few rows its columns."""
+        rows, cols, row_ok, col_ok, first, last = tile(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for start in range(first, last, BLOCK_K):
+            w, order = _tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N)
+            xt = tl.load(X + rows[None, :] * K + order[:, None], mask=row_ok[None, :],
+                         other=0.0)
+            if BF16_DOT:
+                acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+            else:  # the interpreter's path, as _int4_mm_kernel's
+                acc += tl.dot(w.to(tl.bfloat16).to(tl.float32), xt.to(tl.float32),
+                              input_precision="ieee")
+        out = Out + tl.program_id(2) * M * N + rows[None, :] * N + cols[:, None]
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+
+    @triton.jit
+    def _dequant_kernel(QW, Scales, Zeros, W, N, K, GROUP: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, TINY: tl.constexpr):
         """W[K, N] (bfloat16) = the int4 weight dequantized, a [BLOCK_K, BLOCK_N] tile a
-        program."""
+        program (TINY: as _int4_mm_kernel's)."""
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         start = tl.program_id(0) * BLOCK_K
-        w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K, BLOCK_N)
-        ks = start + tl.arange(0, BLOCK_K)
-        tl.store(W + ks[:, None] * N + cols[None, :], w.to(W.dtype.element_ty),
-                 mask=col_ok[None, :])
+        if TINY:
+            wt, order = _tiny_tile(QW, Scales, start, cols, col_ok, N, K, GROUP, BLOCK_K,
+                                   BLOCK_N)
+            tl.store(W + order[None, :] * N + cols[:, None], wt.to(W.dtype.element_ty),
+                     mask=col_ok[:, None])
+        else:
+            w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K,
+                             BLOCK_N)
+            ks = start + tl.arange(0, BLOCK_K)
+            tl.store(W + ks[:, None] * N + cols[None, :], w.to(W.dtype.element_ty),
+                     mask=col_ok[None, :])
 
     @triton.jit
     def _sum_splits_kernel(Parts, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -130,7 +195,7 @@ class Plan:
     stages: int
 
 
-def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
+def plan(m: int, n: int, k: int, group: int, sms: int = 132, tiny: bool = False) -> Plan:
     """Few rows (decode): tiles of 16 rows (the tensor cores' least) by 128 columns, 128
     inputs a step. More rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
     (up to 8 ways) until there are about four programs an SM: a product of 4,096 columns has
@@ -139,8 +204,11 @@ def plan(m: int, n: int, k: int, group: int, sms: int = 132) -> Plan:
     Tuned on an H100 at one row (probe_quant_layers.py --int4-plans, 2026-11-26): over 48
     tilings of each 8B layer the fastest were 128 columns, 4 warps, split 4-8 ways, tiles of
     16 rows (a one-row form then, which dequantized each weight, was 1.3-1.7x slower); the
-    64-row tiles' split is not measured."""
+    64-row tiles' split is not measured. tiny: the weight in tinygemm's layout, read in whole
+    chunks of TINY_K inputs."""
     block_m, block_k = (16, max(128, group)) if m <= 16 else (64, max(64, group))
+    if tiny:
+        block_k = max(block_k, TINY_K)
     # Counted in columns only, so a layer's plan is the same for 17 rows as for 256: a row's
     # bits change with its batch only where the tiles do (16 rows and over).
     split, tiles = 1, -(-n // 128)
@@ -167,6 +235,24 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return words
 
 
+def tiny_pack(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> int32 [N/8, K/128, 32, 4]: what ATen's CUDA
+    torch._convert_weight_to_int4pack(pairs, 8) makes of its byte pairs (q[:, 2i] << 4 |
+    q[:, 2i+1]), here in torch ops, so that the kernels reading it run on the CPU too (the GPU
+    check compares the two). Word [c, kc, t, w] holds column 8c + t // 4 and, in nibble
+    4h + i, input 128 kc + 32 w + 8 i + 2 (t % 4) + h: the m16n8k16 tensor-core fragments of
+    its lane t, two k-tiles a word."""
+    n, k = q.shape
+    v = q.to(torch.int64).reshape(n // 8, 8, k // TINY_K, 4, 4, 4, 2)  # c a kc w i b h
+    v = v.permute(0, 2, 1, 5, 3, 6, 4).reshape(n // 8, k // TINY_K, 32, 4, 8)
+    words = (v << (4 * torch.arange(8, device=q.device))).sum(-1)  # distinct bits: an or
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def available() -> bool:
+    return triton is not None
+
+
 def wanted() -> bool:
     return os.environ.get("DUET_INT4_KERNEL") == "triton" and triton is not None
 
@@ -189,6 +275,27 @@ def _(x, qweight, scales, zeros, group):
     return x.new_empty(x.shape[0], qweight.shape[1])
 
 
+@torch.library.custom_op("duet::int4_mm_tiny", mutates_args=())
+def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+                 group: int) -> torch.Tensor:
+    """x [M, K] (bfloat16) times an int4 weight as tinygemm keeps it (packed [N/8, K/128, 32,
+    4] int32, scales_zeros [K/group, N, 2]) -> [M, N], for the rows tinygemm is slow at: its
+    time grows with every 16 rows (an H100, the 8B gate/up product: 35 us at one row, 132 at
+    16, 502 at 64, where this kernel took 130 and 276; the same tiles on the kernels' own
+    layout took 58 and 92: reading tinygemm's words costs the rest, 2026-11-27)."""
+    m, k = x.shape
+    if m > DEQUANT_ROWS:
+        return x @ dequantize_tiny(packed, scales_zeros, group).to(x.dtype)
+    p = plan(m, packed.shape[0] * 8, k, group, cuda_multiprocessors(x.device.index)
+             if x.device.type == "cuda" else 132, tiny=True)
+    return launch(x, packed, scales_zeros, scales_zeros, group, p, tiny=True)
+
+
+@int4_mm_tiny.register_fake
+def _(x, packed, scales_zeros, group):
+    return x.new_empty(x.shape[0], packed.shape[0] * 8)
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group: int) -> torch.Tensor:
     """The weight [K, N] in bfloat16, for a product of many rows (a prefill's): one pass over
@@ -197,22 +304,42 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     block_k = max(64, group)
     w = torch.empty(k, n, dtype=torch.bfloat16, device=qweight.device)
-    _dequant_kernel[(k // block_k, triton.cdiv(n, 64))](qweight, scales, zeros, w, n,
+    _dequant_kernel[(k // block_k, triton.cdiv(n, 64))](qweight, scales, zeros, w, n, k,
                                                         GROUP=group, BLOCK_K=block_k,
-                                                        BLOCK_N=64)
+                                                        BLOCK_N=64, TINY=False)
+    return w
+
+
+def dequantize_tiny(packed: torch.Tensor, scales_zeros: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """dequantize() of a weight in tinygemm's layout."""
+    n, k = packed.shape[0] * 8, packed.shape[1] * TINY_K
+    block_k = max(TINY_K, group)
+    w = torch.empty(k, n, dtype=torch.bfloat16, device=packed.device)
+    _dequant_kernel[(k // block_k, triton.cdiv(n, 64))](packed, scales_zeros, scales_zeros, w,
+                                                        n, k, GROUP=group, BLOCK_K=block_k,
+                                                        BLOCK_N=64, TINY=True)
     return w
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-           group: int, p: Plan) -> torch.Tensor:
-    """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others)."""
+           group: int, p: Plan, tiny: bool = False) -> torch.Tensor:
+    """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others);
+    tiny: int4_mm_tiny's (qweight tinygemm's words, scales and zeros its scales_zeros)."""
     m, k = x.shape
-    n = qweight.shape[1]
+    n = qweight.shape[0] * 8 if tiny else qweight.shape[1]
     # Each split's part apart, added in split order after (one small kernel, which also
     # rounds): a row's result is the same bits every time, as atomic adds in whatever order
     # the programs end would not give.
     out, parts = outputs(m, n, p.split_k, x.dtype, x.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
+    if tiny:
+        _int4_mm_tiny_kernel[grid](x.contiguous(), qweight, scales, parts, m, n, k,
+                                   GROUP=group, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+                                   BLOCK_K=p.block_k, SPLIT_K=p.split_k,
+                                   BF16_DOT=x.device.type == "cuda", num_warps=p.warps,
+                                   num_stages=p.stages)
+        return add_splits(parts, out, p.split_k)
     _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k, GROUP=group,
                           BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
                           SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",

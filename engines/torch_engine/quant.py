@@ -14,8 +14,10 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   an AVX2 EPYC); their cost grows with the rows, so an int8 layer of more than 16 rows (prefill)
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
-- CUDA: int4 through tinygemm (bfloat16), or duet's own kernel with DUET_INT4_KERNEL=triton
-  (int4_kernel.py); int8 and fp8 as `linear(x, w.to(dtype)) * scale` for the compiled decode
+- CUDA: int4 in tinygemm's layout, through tinygemm (bfloat16) up to 16 rows and duet's
+  kernel (int4_kernel.int4_mm_tiny) past them, where tinygemm's time grows with every 16; or
+  duet's kernel alone, on its own layout, with DUET_INT4_KERNEL=triton; int8 and fp8 as
+  `linear(x, w.to(dtype)) * scale` for the compiled decode
   step's one row, which Inductor makes one weight-reading kernel; two rows or more on the
   tensor cores, the activations quantized per row: int8 x int8 through torch._int_mm, fp8
   (compute capability 8.9+) through torch._scaled_mm, or for up to 64 rows duet's kernel
@@ -46,6 +48,11 @@ TENSOR_CORE_ROWS = 2
 SCALED_MM_ROWS = 16
 INT_MM_ROWS = 17
 FP8_MAX = 448.0
+# Rows up to which an int4 layer on CUDA runs tinygemm; more take duet's kernel on the same
+# words (int4_kernel.int4_mm_tiny). Measured on an H100 (probe_quant_layers.py, 2026-11-27),
+# an 8B layer's four products: at 16 rows 248 us against tinygemm's 258, at 64 rows 513
+# against 959; at 2-8 rows tinygemm is faster.
+TINYGEMM_ROWS = 16
 
 
 # --- the formats' arithmetic, device-independent (tests check the kernels against these) ---
@@ -211,6 +218,7 @@ class Int4Linear(QuantLinear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel, self.group = kernel_name, group
+        self.tinygemm_rows = TINYGEMM_ROWS  # the "cuda" kernel's (probe_quant_layers sets it)
         q, scale, zero = quantize_int4(linear.weight.detach(), group)
         if kernel_name == "dequant":
             self.register_buffer("q", q)
@@ -239,8 +247,12 @@ class Int4Linear(QuantLinear):
                                        self.zeros, self.group)
             return self._finish(y, x)
         if self.kernel == "cuda":
-            y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
-                                          self.scales_zeros)
+            if x2.shape[0] > self.tinygemm_rows and int4_kernel.available():
+                y = torch.ops.duet.int4_mm_tiny(x2.to(torch.bfloat16), self.packed,
+                                                self.scales_zeros, self.group)
+            else:
+                y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
+                                              self.scales_zeros)
             return self._finish(y, x)
         if self.kernel == "cpu":
             # Its float32 path is 25x slower than its bfloat16 one on an AVX2 EPYC.

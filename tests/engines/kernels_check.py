@@ -135,6 +135,55 @@ def check_int4_mm(device: str = "cpu") -> None:
             assert ((whole.float() - ref.t()).abs() <= ref.t().abs() * 2 ** -7).all()
 
 
+def check_int4_tiny(device: str = "cpu") -> None:
+    """The int4 kernel reading tinygemm's words (int4_mm_tiny) against quant.py's dequantized
+    weight, as check_int4_mm; on a GPU the words tiny_pack makes are ATen's own."""
+    from engines.torch_engine import int4_kernel, quant
+
+    torch.manual_seed(0)
+    for n, k, group, m in ((64, 128, 64, 2), (96, 256, 32, 3), (80, 512, 64, 20),
+                           (64, 1024, 128, 5), (40, 512, 256, 16),
+                           (72, 256, 32, int4_kernel.DEQUANT_ROWS + 1)):
+        w = torch.randn(n, k) * 0.05
+        q, scale, zero = quant.quantize_int4(w, group)
+        scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+        ref = quant.dequantize_int4(q, scale.float(), zero.float(), group)
+        packed = int4_kernel.tiny_pack(q)
+        if device != "cpu":
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+            assert torch.equal(torch._convert_weight_to_int4pack(pairs, 8).cpu(), packed)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        got = torch.ops.duet.int4_mm_tiny(x.to(device), packed.to(device), sz, group).cpu()
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        want = x.float() @ ref.t()
+        bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
+        worst = ((got.float() - want).abs() / bound).max().item()
+        assert worst <= 1, (n, k, group, m, worst)
+        if m > int4_kernel.DEQUANT_ROWS:
+            whole = int4_kernel.dequantize_tiny(packed.to(device), sz, group).cpu()
+            assert whole.shape == (k, n)
+            assert ((whole.float() - ref.t()).abs() <= ref.t().abs() * 2 ** -7).all()
+
+
+def check_int4_cuda_layer() -> None:
+    """An int4 layer of tinygemm's words on a GPU: a few rows through tinygemm, more through
+    int4_mm_tiny, each what the layer dequantized computes."""
+    from engines.torch_engine import quant
+
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(512, 96, bias=True).to(torch.bfloat16)
+    slow = quant.Int4Linear(linear, "dequant", 64)
+    few = quant.TINYGEMM_ROWS
+    x = torch.randn(few + 4, 512).to(torch.bfloat16)
+    want = slow(x)
+    fast = quant.Int4Linear(linear.to("cuda"), "cuda", 64)  # tinygemm's packing: CUDA only
+    tol = 0.02 * want.float().abs().max().item()
+    for rows in (1, few, few + 1, few + 4):
+        got = fast(x[:rows].to("cuda")).cpu()
+        assert (got.float() - want[:rows].float()).abs().max().item() <= tol, rows
+
+
 def check_int4_layer(device: str = "cpu") -> None:
     """An int4 layer on the kernel computes what the same layer dequantized computes, and a
     row the same bits alone as beside others (a request's tokens must not depend on its
@@ -516,6 +565,7 @@ if __name__ == "__main__":
     check_silu_mul(device=device)
     check_borders(device=device)
     check_int4_mm(device=device)
+    check_int4_tiny(device=device)
     check_int4_layer(device=device)
     check_fp8_mm(device=device)
     check_fp8_layer(device=device)

@@ -35,7 +35,8 @@ def test_kernel_in_the_triton_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_cuda():
     from tests.engines.kernels_check import (check_borders, check_fp8_layer, check_fp8_mm,
-                                             check_int4_layer, check_int4_mm, check_model,
+                                             check_int4_cuda_layer, check_int4_layer,
+                                             check_int4_mm, check_int4_tiny, check_model,
                                              check_op, check_quantize_rows, check_scale_products,
                                              check_silu_mul)
 
@@ -43,7 +44,9 @@ def test_kernel_on_cuda():
     check_silu_mul(((torch.bfloat16, 1e-2), (torch.float32, 1e-6)), device="cuda")
     check_borders(device="cuda")
     check_int4_mm(device="cuda")
+    check_int4_tiny(device="cuda")
     check_int4_layer(device="cuda")
+    check_int4_cuda_layer()
     check_fp8_mm(device="cuda")
     check_fp8_layer(device="cuda")
     check_quantize_rows(device="cuda")
@@ -120,9 +123,22 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
          "N": "i32", "K": "i32"},
         {"GROUP": 32, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_int4_mm_tiny_kernel", "split"): (
+        {"X": PTR16, "QW": "*i32", "SZ": PTR16, "Out": "*fp32", "M": "i32", "N": "i32",
+         "K": "i32"},
+        {"GROUP": 32, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4,
+         "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_int4_mm_tiny_kernel", "64 rows"): (
+        {"X": PTR16, "QW": "*i32", "SZ": PTR16, "Out": PTR16, "M": "i32", "N": "i32",
+         "K": "i32"},
+        {"GROUP": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+         "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
+    ("int4_kernel", "_dequant_kernel", "tinygemm's words"): (
+        {"QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "W": PTR16, "N": "i32", "K": "i32"},
+        {"GROUP": 128, "BLOCK_K": 128, "BLOCK_N": 64, "TINY": True}),
     ("int4_kernel", "_dequant_kernel"): (
-        {"QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "W": PTR16, "N": "i32"},
-        {"GROUP": 64, "BLOCK_K": 64, "BLOCK_N": 64}),
+        {"QW": "*i32", "Scales": PTR16, "Zeros": PTR16, "W": PTR16, "N": "i32", "K": "i32"},
+        {"GROUP": 64, "BLOCK_K": 64, "BLOCK_N": 64, "TINY": False}),
     ("fp8_kernel", "_fp8_mm_kernel", "split"): (  # float32 parts
         {"X": "*fp8e4nv", "XScale": "*fp32", "W": "*fp8e4nv", "Scale": "*fp32", "Out": "*fp32",
          "M": "i32", "N": "i32", "K": "i32"},

@@ -233,6 +233,63 @@ def test_int4_plan_tiles_whole_groups_and_fills_the_gpu_at_a_few_rows(m, n, k, g
     assert p == int4_kernel.plan(min(m + 1, 16) if m <= 16 else 256, n, k, group, sms=132)
 
 
+def _aten_int4pack(pairs: torch.Tensor) -> torch.Tensor:
+    """ATen's CUDA _convert_weight_to_int4pack(pairs, innerKTiles=8), its kernel
+    (matrix_to_m16n8k16_Bint4_layout) transcribed loop for loop: pairs uint8 [n, k/2] ->
+    int32 [n/8, k/128, 32, 4]."""
+    n, half = pairs.shape
+    out = torch.zeros(n // 8, half * 2 // 128, 32, 4, dtype=torch.int64)
+    for n_tile in range(n // 8):
+        for k_outer in range(half * 2 // 128):
+            for t in range(32):
+                for inner in range(0, 8, 2):
+                    n0 = n_tile * 8 + t // 4
+                    base = (k_outer * 8 + inner) * 16 // 2
+                    ks = [base + t % 4, base + t % 4 + 4, base + 8 + t % 4, base + 12 + t % 4]
+                    v = [int(pairs[n0, kk]) for kk in ks]
+                    out[n_tile, k_outer, t, inner // 2] = (
+                        (v[3] & 0xF) << 28 | (v[2] & 0xF) << 24 | (v[1] & 0xF) << 20
+                        | (v[0] & 0xF) << 16 | (v[3] & 0xF0) << 8 | (v[2] & 0xF0) << 4
+                        | (v[1] & 0xF0) | (v[0] & 0xF0) >> 4)
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+
+
+def test_tiny_pack_lays_the_words_out_as_atens_cuda_kernel_does():
+    """int4_kernel.tiny_pack (torch ops, so the kernel reading tinygemm's words is tested on
+    the CPU) against ATen's CUDA conversion transcribed; a GPU compares it with the op itself
+    (tests/engines/kernels_check.py)."""
+    from engines.torch_engine import int4_kernel
+
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (16, 256), dtype=torch.uint8)
+    pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    assert torch.equal(int4_kernel.tiny_pack(q), _aten_int4pack(pairs))
+
+
+def test_int4_layer_on_cuda_takes_tinygemm_for_few_rows_and_duets_kernel_for_more(monkeypatch):
+    """Dispatch only (no GPU here): the layer's words are tinygemm's either way."""
+    from engines.torch_engine import int4_kernel
+
+    layer = quant.Int4Linear.__new__(quant.Int4Linear)
+    torch.nn.Module.__init__(layer)
+    layer.in_features, layer.out_features, layer.kernel, layer.group = 128, 8, "cuda", 64
+    layer.tinygemm_rows, layer.bias = quant.TINYGEMM_ROWS, None
+    layer.packed, layer.scales_zeros = torch.zeros(1), torch.zeros(1)
+    calls = []
+    monkeypatch.setattr(torch, "_weight_int4pack_mm",
+                        lambda x, *a: calls.append(("tinygemm", x.shape[0])) or x[:, :8])
+    monkeypatch.setattr(torch.ops.duet, "int4_mm_tiny",
+                        lambda x, *a: calls.append(("duet", x.shape[0])) or x[:, :8])
+    monkeypatch.setattr(int4_kernel, "available", lambda: True)
+    few = quant.TINYGEMM_ROWS
+    for rows in (1, few, few + 1, 300):
+        layer(torch.zeros(rows, 128, dtype=torch.bfloat16))
+    assert calls == [("tinygemm", 1), ("tinygemm", few), ("duet", few + 1), ("duet", 300)]
+    monkeypatch.setattr(int4_kernel, "available", lambda: False)  # no Triton: tinygemm
+    layer(torch.zeros(300, 128, dtype=torch.bfloat16))
+    assert calls[-1] == ("tinygemm", 300)
+
+
 def test_int4_layer_whose_inputs_do_not_split_into_groups_is_int8():
     layer = _linear(32, 72)
     q = quant.quantize_linear(layer, Quantization("int4", 64), "cpu")
