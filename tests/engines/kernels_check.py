@@ -103,30 +103,42 @@ def check_silu_mul(dtypes=((torch.float32, 1e-6), (torch.float16, 1e-3)), device
             )
 
 
+def _int4_case(n: int, k: int, group: int, m: int):
+    """A random [n, k] weight quantized to int4 (q, bfloat16 scales and zeros), its
+    dequantized reference, and m rows of activations."""
+    from engines.torch_engine import quant
+
+    q, scale, zero = quant.quantize_int4(torch.randn(n, k) * 0.05, group)
+    scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+    ref = quant.dequantize_int4(q, scale.float(), zero.float(), group)
+    return q, scale, zero, ref, torch.randn(m, k).to(torch.bfloat16)
+
+
+def _within_rounding(got: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, case) -> None:
+    """got = x @ ref^T within bfloat16's rounding of each weight and of the result."""
+    assert got.shape == (x.shape[0], ref.shape[0]) and got.dtype == torch.bfloat16
+    want = x.float() @ ref.t()
+    bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
+    worst = ((got.float() - want).abs() / bound).max().item()
+    assert worst <= 1, (*case, worst)
+
+
 def check_int4_mm(device: str = "cpu") -> None:
     """The int4 kernel against quant.py's dequantized weight: one row and a few (split-K, the
     decode plan), many (the prefill plan), GGUF's groups of 32 and groups of 64 and 128,
     columns that are not a multiple of the tile. Within bfloat16's rounding of each weight and
     of the result (the interpreter rounds float32 to 16 bits toward zero)."""
-    from engines.torch_engine import int4_kernel, quant
+    from engines.torch_engine import int4_kernel
 
     torch.manual_seed(0)
     for n, k, group, m in ((64, 128, 64, 1), (96, 256, 32, 3), (80, 512, 64, 20),
                            (64, 1024, 128, 5), (4096, 512, 64, 1),
                            (72, 128, 32, int4_kernel.DEQUANT_ROWS + 1)):
-        w = torch.randn(n, k) * 0.05
-        q, scale, zero = quant.quantize_int4(w, group)
-        scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-        ref = quant.dequantize_int4(q, scale.float(), zero.float(), group)
-        x = torch.randn(m, k).to(torch.bfloat16)
+        q, scale, zero, ref, x = _int4_case(n, k, group, m)
         got = torch.ops.duet.int4_mm(x.to(device), int4_kernel.pack(q).to(device),
                                      scale.t().contiguous().to(device),
                                      zero.t().contiguous().to(device), group).cpu()
-        assert got.shape == (m, n) and got.dtype == torch.bfloat16
-        want = x.float() @ ref.t()
-        bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
-        worst = ((got.float() - want).abs() / bound).max().item()
-        assert worst <= 1, (n, k, group, m, worst)
+        _within_rounding(got, x, ref, (n, k, group, m))
         if m > int4_kernel.DEQUANT_ROWS:  # the weight dequantized whole: its exact values
             whole = int4_kernel.dequantize(int4_kernel.pack(q).to(device),
                                            scale.t().contiguous().to(device),
@@ -138,28 +150,20 @@ def check_int4_mm(device: str = "cpu") -> None:
 def check_int4_tiny(device: str = "cpu") -> None:
     """The int4 kernel reading tinygemm's words (int4_mm_tiny) against quant.py's dequantized
     weight, as check_int4_mm; on a GPU the words tiny_pack makes are ATen's own."""
-    from engines.torch_engine import int4_kernel, quant
+    from engines.torch_engine import int4_kernel
 
     torch.manual_seed(0)
     for n, k, group, m in ((64, 128, 64, 2), (96, 256, 32, 3), (80, 512, 64, 20),
                            (64, 1024, 128, 5), (40, 512, 256, 16),
                            (72, 256, 32, int4_kernel.DEQUANT_ROWS + 1)):
-        w = torch.randn(n, k) * 0.05
-        q, scale, zero = quant.quantize_int4(w, group)
-        scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
-        ref = quant.dequantize_int4(q, scale.float(), zero.float(), group)
+        q, scale, zero, ref, x = _int4_case(n, k, group, m)
         packed = int4_kernel.tiny_pack(q)
         if device != "cpu":
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
             assert torch.equal(torch._convert_weight_to_int4pack(pairs, 8).cpu(), packed)
         sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device)
-        x = torch.randn(m, k).to(torch.bfloat16)
         got = torch.ops.duet.int4_mm_tiny(x.to(device), packed.to(device), sz, group).cpu()
-        assert got.shape == (m, n) and got.dtype == torch.bfloat16
-        want = x.float() @ ref.t()
-        bound = (x.float().abs() @ ref.abs().t()) * 2 ** -7 + want.abs() * 2 ** -7 + 1e-6
-        worst = ((got.float() - want).abs() / bound).max().item()
-        assert worst <= 1, (n, k, group, m, worst)
+        _within_rounding(got, x, ref, (n, k, group, m))
         if m > int4_kernel.DEQUANT_ROWS:
             whole = int4_kernel.dequantize_tiny(packed.to(device), sz, group).cpu()
             assert whole.shape == (k, n)
