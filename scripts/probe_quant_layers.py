@@ -31,15 +31,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 # [N, K] of Llama-3.1-8B's fused gate/up projection, its down projection, its fused QKV and
 # its output projection
 SHAPES = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]
-# int4: as served (tinygemm's words: tinygemm at one row, duet's kernel on them at more);
-# int4-tinygemm: tinygemm at every row count (int4 until 2026-11-27); int4-triton: duet's
-# kernel on its own words (int4_kernel.py, DUET_INT4_KERNEL=triton)
+# int4: as served (tinygemm's words: tinygemm up to quant.TINYGEMM_ROWS, duet's kernel on
+# them past it); int4-tiny: duet's kernel on tinygemm's words past one row; int4-tinygemm:
+# tinygemm at every row count (int4 until 2026-11-27); int4-triton: duet's kernel on its own
+# words (int4_kernel.py, DUET_INT4_KERNEL=triton)
 # fp8: the compiled weight read at one row, torch._scaled_mm from two (DUET_FP8_KERNEL=aten);
 # fp8-triton: duet's fp8 kernel for 2-64 rows instead (fp8_kernel.py, the default on Hopper);
 # int8-read, fp8-read: the weight-read expression at every row count (what int8 and fp8 layers
 # ran below 17 and 16 rows until 2026-11-27)
-FORMATS = ("bf16", "int8", "int4", "int4-tinygemm", "int4-triton", "fp8", "fp8-triton",
-           "int8-read", "fp8-read")
+FORMATS = ("bf16", "int8", "int4", "int4-tiny", "int4-tinygemm", "int4-triton", "fp8",
+           "fp8-triton", "int8-read", "fp8-read")
 
 
 def microseconds(fn, x, n: int = 20) -> float:
@@ -235,9 +236,9 @@ def main() -> int:
                 layers[fmt] = quant.FP8Linear(linear, "triton" if "-" in fmt else "cuda", True)
             elif fmt == "int4-triton":
                 layers[fmt] = quant.Int4Linear(linear, "triton", 64)
-            elif fmt == "int4-tinygemm":
+            elif fmt in ("int4-tiny", "int4-tinygemm"):
                 layers[fmt] = quant.Int4Linear(linear, "cuda", 64)
-                layers[fmt].tinygemm_rows = 1 << 30
+                layers[fmt].tinygemm_rows = 1 if fmt == "int4-tiny" else 1 << 30
             else:
                 layers[fmt] = quant.quantize_linear(linear, Quantization(fmt, 64), "cuda")
         for rows in (int(r) for r in args.rows.split(",")):

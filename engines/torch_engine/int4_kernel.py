@@ -25,6 +25,7 @@ was 1.6-2.2x slower than tinygemm and than these tiles at one row, 2026-11-26.)"
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -70,14 +71,38 @@ if triton is not None:
                 + _spread(zero, GROUP, BLOCK_K, BLOCK_N))
 
     @triton.jit
+    def _tiny_order(start, BLOCK_K: tl.constexpr):
+        """The inputs of tinygemm's words start..start+BLOCK_K (whole chunks of TINY_K) in the
+        order _tiny_tile gives them: word r = (chunk, b, w), w fastest, holds in its nibble
+        j = 4h + i input 128 chunk + 32 w + 8 i + 2 b + h."""
+        r = tl.arange(0, BLOCK_K // 8)
+        j = tl.arange(0, 8)
+        ks = ((start // _TINY_K + r // 16) * _TINY_K + (r % 4) * 32 + 2 * ((r // 4) % 4))[:, None] \
+            + (8 * (j % 4) + j // 4)[None, :]
+        return tl.reshape(ks, (BLOCK_K,))
+
+    @triton.jit
+    def _by_word(v, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A tile's groups' values [BLOCK_N, BLOCK_K / GROUP] -> each word's [BLOCK_N,
+        BLOCK_K / 8] (word r = (chunk, b, w) lies in group (128 chunk + 32 w) / GROUP)."""
+        if GROUP <= _TINY_K:  # WG groups a chunk, each over 4 / WG of its w
+            WG: tl.constexpr = _TINY_K // GROUP
+            v = tl.reshape(v, (BLOCK_N, BLOCK_K // _TINY_K, 1, WG, 1))
+            v = tl.broadcast_to(v, (BLOCK_N, BLOCK_K // _TINY_K, 4, WG, 4 // WG))
+        else:  # a group over GROUP / 128 chunks
+            v = tl.reshape(v, (BLOCK_N, BLOCK_K // GROUP, 1))
+            v = tl.broadcast_to(v, (BLOCK_N, BLOCK_K // GROUP, GROUP // 8))
+        return tl.reshape(v, (BLOCK_N, BLOCK_K // 8))
+
+    @triton.jit
     def _tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         """Inputs start..start+BLOCK_K (whole chunks of TINY_K) of the columns `cols` of a
-        weight in tinygemm's layout (tiny_pack), dequantized: (float32 [BLOCK_N, BLOCK_K], the
-        input each of its BLOCK_K columns is). The inputs come in the order the words hold
-        them, not ascending: the caller reads its activations in the same order, and a product
-        sums in any. Each word is read once and its 8 values taken from it in registers; each
-        word's values share a group, whose scale and zero are read beside it."""
+        weight in tinygemm's layout (tiny_pack), dequantized: float32 [BLOCK_N, BLOCK_K], its
+        inputs in the order the words hold them (_tiny_order), not ascending: the caller's
+        activations come in the same order (tiny_order), and a product sums in any. Each word
+        is read once, its column's 16 of a chunk side by side, and its 8 values taken from it
+        in registers; the tile's scales and zeros are read once, pairs side by side."""
         r = tl.arange(0, BLOCK_K // 8)  # a column's words: (chunk, b, w), w fastest
         chunk = start // _TINY_K + r // 16
         b = (r // 4) % 4
@@ -86,15 +111,17 @@ if triton is not None:
         words = tl.load(QW + ((cols // 8)[:, None] * (K // _TINY_K) + chunk[None, :]) * 128
                         + (lane[:, None] + b[None, :]) * 4 + w[None, :],
                         mask=col_ok[:, None], other=0)
-        j = tl.arange(0, 8)  # nibble j = 4h + i holds input 8i + 2b + h of its 32
+        j = tl.arange(0, 8)
         q = (words[:, :, None] >> (4 * j)[None, None, :]) & 0xF
-        g = ((chunk * _TINY_K + w * 32) // GROUP)[None, :] * N + cols[:, None]
-        scale = tl.load(SZ + 2 * g, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(SZ + 2 * g + 1, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        g = start // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        pairs = tl.load(SZ + (g[None, :, None] * N + cols[:, None, None]) * 2
+                        + tl.arange(0, 2)[None, None, :], mask=col_ok[:, None, None], other=0.0)
+        scale, zero = tl.split(pairs.to(tl.float32))
+        scale = _by_word(scale, GROUP, BLOCK_K, BLOCK_N)
+        zero = _by_word(zero, GROUP, BLOCK_K, BLOCK_N)
         centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # as _weight_tile
         weights = centred * scale[:, :, None] + zero[:, :, None]
-        ks = (chunk * _TINY_K + w * 32 + 2 * b)[:, None] + (8 * (j % 4) + j // 4)[None, :]
-        return tl.reshape(weights, (BLOCK_N, BLOCK_K)), tl.reshape(ks, (BLOCK_K,))
+        return tl.reshape(weights, (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -128,28 +155,26 @@ if triton is not None:
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _int4_mm_tiny_kernel(X, QW, SZ, Out, M, N, K, GROUP: tl.constexpr,
+    def _int4_mm_tiny_kernel(XP, QW, SZ, Out, M, N, K, GROUP: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                              BF16_DOT: tl.constexpr):
         """_int4_mm_kernel of a weight in tinygemm's layout (QW its words, SZ its [K/group, N,
-        2] scales and zeros), multiplied the other way round: Out^T = dequant(QW)[N, K] @ X^T,
-        so that the weight tile, made in registers, is the product's first operand (which
-        Hopper's tensor cores take from registers) and its columns the product's rows, the
-        activations' few rows its columns."""
+        2] scales and zeros); XP the activations with their inputs in tiny_order."""
         rows, cols, row_ok, col_ok, first, last = tile(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(first, last, BLOCK_K):
-            w, order = _tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N)
-            xt = tl.load(X + rows[None, :] * K + order[:, None], mask=row_ok[None, :],
-                         other=0.0)
+            w = tl.trans(_tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N))
+            x = tl.load(XP + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
+                        other=0.0)
             if BF16_DOT:
-                acc += tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+                acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
             else:  # the interpreter's path, as _int4_mm_kernel's
-                acc += tl.dot(w.to(tl.bfloat16).to(tl.float32), xt.to(tl.float32),
+                acc += tl.dot(x.to(tl.float32), w.to(tl.bfloat16).to(tl.float32),
                               input_precision="ieee")
-        out = Out + tl.program_id(2) * M * N + rows[None, :] * N + cols[:, None]
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+        out = Out + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _dequant_kernel(QW, Scales, Zeros, W, N, K, GROUP: tl.constexpr,
@@ -160,8 +185,8 @@ if triton is not None:
         col_ok = cols < N
         start = tl.program_id(0) * BLOCK_K
         if TINY:
-            wt, order = _tiny_tile(QW, Scales, start, cols, col_ok, N, K, GROUP, BLOCK_K,
-                                   BLOCK_N)
+            wt = _tiny_tile(QW, Scales, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N)
+            order = _tiny_order(start, BLOCK_K)
             tl.store(W + order[None, :] * N + cols[:, None], wt.to(W.dtype.element_ty),
                      mask=col_ok[:, None])
         else:
@@ -280,15 +305,29 @@ def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tens
                  group: int) -> torch.Tensor:
     """x [M, K] (bfloat16) times an int4 weight as tinygemm keeps it (packed [N/8, K/128, 32,
     4] int32, scales_zeros [K/group, N, 2]) -> [M, N], for the rows tinygemm is slow at: its
-    time grows with every 16 rows (an H100, the 8B gate/up product: 35 us at one row, 132 at
-    16, 502 at 64, where this kernel took 130 and 276; the same tiles on the kernels' own
-    layout took 58 and 92: reading tinygemm's words costs the rest, 2026-11-27)."""
+    time grows with the rows (an H100, 2026-11-27, the 8B gate/up product: 36 us at one row,
+    136 at 16, 501 at 64, where this kernel took 95 and 131; the same tiles on the kernels'
+    own layout 58 and 91)."""
     m, k = x.shape
     if m > DEQUANT_ROWS:
         return x @ dequantize_tiny(packed, scales_zeros, group).to(x.dtype)
     p = plan(m, packed.shape[0] * 8, k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132, tiny=True)
     return launch(x, packed, scales_zeros, scales_zeros, group, p, tiny=True)
+
+
+@functools.cache
+def _order_index(k: int, device: torch.device) -> torch.Tensor:
+    p = torch.arange(k, device=device)
+    r, j = (p % TINY_K) // 8, p % 8
+    return (p // TINY_K * TINY_K + (r % 4) * 32 + 2 * (r // 4) + 8 * (j % 4) + j // 4)
+
+
+def tiny_order(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with its inputs in the order a tile of tinygemm's words holds them (the
+    kernel's _tiny_order), once for every program that reads them: the kernel then reads its
+    rows' inputs side by side."""
+    return x.index_select(1, _order_index(x.shape[1], x.device))
 
 
 @int4_mm_tiny.register_fake
@@ -334,7 +373,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     out, parts = outputs(m, n, p.split_k, x.dtype, x.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
     if tiny:
-        _int4_mm_tiny_kernel[grid](x.contiguous(), qweight, scales, parts, m, n, k,
+        _int4_mm_tiny_kernel[grid](tiny_order(x), qweight, scales, parts, m, n, k,
                                    GROUP=group, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
                                    BLOCK_K=p.block_k, SPLIT_K=p.split_k,
                                    BF16_DOT=x.device.type == "cuda", num_warps=p.warps,
