@@ -1,5 +1,5 @@
 """Group-wise int4 weights times bfloat16 activations in Triton kernels of duet's own, for
-CUDA. By default they take the products of more than 16 rows (a batched decode step, a
+CUDA. By default they take the products of more than 8 rows (a batched decode step, a
 prefill) of weights kept in tinygemm's layout, which tinygemm (torch._weight_int4pack_mm)
 multiplies fast only at a few rows (int4_mm_tiny; on an H100, 2026-11-26, these tiles on
 their own layout were 1.5-1.8x slower than tinygemm at one row and up to 5x faster at 64,
@@ -36,8 +36,13 @@ from .decode_attention import triton
 
 PACK = 8  # 4-bit values an int32 holds
 TINY_K = 128  # inputs of one of tinygemm's k-chunks: 8 tiles of 16, 32 words of a column's 8
-# Past this many rows a product dequantizes the weight to bfloat16 once and multiplies densely.
+# Past this many rows a product dequantizes the weight to bfloat16 once and multiplies densely
+# (the dequantized weight's writes and reads cost less than the tiles' dequantizing it anew for
+# every 64 rows: on an H100 an 8B layer's four products at 256 rows took 428 us so against the
+# tiles' 719 on tinygemm's words, 2026-11-27; at 128, 402 against 367; tinygemm's 3,779 and
+# 1,905).
 DEQUANT_ROWS = 256
+TINY_DEQUANT_ROWS = 128
 SUM_BLOCK = 1024
 
 if triton is not None:
@@ -77,9 +82,9 @@ if triton is not None:
         j = 4h + i input 128 chunk + 32 w + 8 i + 2 b + h."""
         r = tl.arange(0, BLOCK_K // 8)
         j = tl.arange(0, 8)
-        ks = ((start // _TINY_K + r // 16) * _TINY_K + (r % 4) * 32 + 2 * ((r // 4) % 4))[:, None] \
-            + (8 * (j % 4) + j // 4)[None, :]
-        return tl.reshape(ks, (BLOCK_K,))
+        word = (r // 16) * _TINY_K + (r % 4) * 32 + 2 * ((r // 4) % 4)
+        ks = word[:, None] + (8 * (j % 4) + j // 4)[None, :]
+        return start + tl.reshape(ks, (BLOCK_K,))  # start: a whole chunk's
 
     @triton.jit
     def _by_word(v, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -222,9 +227,10 @@ class Plan:
 
 def plan(m: int, n: int, k: int, group: int, sms: int = 132, tiny: bool = False) -> Plan:
     """Few rows (decode): tiles of 16 rows (the tensor cores' least) by 128 columns, 128
-    inputs a step. More rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way the inputs are split
-    (up to 8 ways) until there are about four programs an SM: a product of 4,096 columns has
-    only 32 tiles of them, and a matrix-vector product is bound by the bytes in flight.
+    inputs a step. More rows, up to DEQUANT_ROWS: 64 x 128 tiles, 64 inputs a step. Either way
+    the inputs are split (up to 8 ways) until there are about four programs an SM: a product of
+    4,096 columns has only 32 tiles of them, and a matrix-vector product is bound by the bytes
+    in flight.
 
     Tuned on an H100 at one row (probe_quant_layers.py --int4-plans, 2026-11-26): over 48
     tilings of each 8B layer the fastest were 128 columns, 4 warps, split 4-8 ways, tiles of
@@ -306,10 +312,10 @@ def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tens
     """x [M, K] (bfloat16) times an int4 weight as tinygemm keeps it (packed [N/8, K/128, 32,
     4] int32, scales_zeros [K/group, N, 2]) -> [M, N], for the rows tinygemm is slow at: its
     time grows with the rows (an H100, 2026-11-27, the 8B gate/up product: 36 us at one row,
-    136 at 16, 501 at 64, where this kernel took 95 and 131; the same tiles on the kernels'
-    own layout 58 and 91)."""
+    136 at 16, 501 at 64, where this kernel took 72-95 and 94-131 over two machines; the same
+    tiles on the kernels' own layout 58 and 91)."""
     m, k = x.shape
-    if m > DEQUANT_ROWS:
+    if m > TINY_DEQUANT_ROWS:
         return x @ dequantize_tiny(packed, scales_zeros, group).to(x.dtype)
     p = plan(m, packed.shape[0] * 8, k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132, tiny=True)

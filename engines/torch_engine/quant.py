@@ -14,7 +14,7 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   an AVX2 EPYC); their cost grows with the rows, so an int8 layer of more than 16 rows (prefill)
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
-- CUDA: int4 in tinygemm's layout, through tinygemm (bfloat16) up to 12 rows and duet's
+- CUDA: int4 in tinygemm's layout, through tinygemm (bfloat16) up to 8 rows and duet's
   kernel (int4_kernel.int4_mm_tiny) past them, where tinygemm's time grows with the rows; or
   duet's kernel alone, on its own layout, with DUET_INT4_KERNEL=triton; int8 and fp8 as
   `linear(x, w.to(dtype)) * scale` for the compiled decode
@@ -50,9 +50,9 @@ INT_MM_ROWS = 17
 FP8_MAX = 448.0
 # Rows up to which an int4 layer on CUDA runs tinygemm; more take duet's kernel on the same
 # words (int4_kernel.int4_mm_tiny). Measured on an H100 (probe_quant_layers.py, 2026-11-27),
-# an 8B layer's four products: tinygemm 157 us at 8 rows, 261 at 16, 962 at 64; the kernel
-# 203, 197 and 270 (its time flat up to 16 rows): even near 12.
-TINYGEMM_ROWS = 12
+# an 8B layer's four products: tinygemm 96 us at 4 rows, 156 at 8, 195 at 12, 971 at 64; the
+# kernel 154 from 2 to 16 rows, 206 at 64: even at 8.
+TINYGEMM_ROWS = 8
 
 
 # --- the formats' arithmetic, device-independent (tests check the kernels against these) ---

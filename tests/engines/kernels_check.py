@@ -155,7 +155,8 @@ def check_int4_tiny(device: str = "cpu") -> None:
     torch.manual_seed(0)
     for n, k, group, m in ((64, 128, 64, 2), (96, 256, 32, 3), (80, 512, 64, 20),
                            (64, 1024, 128, 5), (40, 512, 256, 16),
-                           (72, 256, 32, int4_kernel.DEQUANT_ROWS + 1)):
+                           (72, 256, 32, int4_kernel.TINY_DEQUANT_ROWS),
+                           (72, 256, 32, int4_kernel.TINY_DEQUANT_ROWS + 1)):
         q, scale, zero, ref, x = _int4_case(n, k, group, m)
         packed = int4_kernel.tiny_pack(q)
         if device != "cpu":
@@ -164,7 +165,7 @@ def check_int4_tiny(device: str = "cpu") -> None:
         sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device)
         got = torch.ops.duet.int4_mm_tiny(x.to(device), packed.to(device), sz, group).cpu()
         _within_rounding(got, x, ref, (n, k, group, m))
-        if m > int4_kernel.DEQUANT_ROWS:
+        if m > int4_kernel.TINY_DEQUANT_ROWS:
             whole = int4_kernel.dequantize_tiny(packed.to(device), sz, group).cpu()
             assert whole.shape == (k, n)
             assert ((whole.float() - ref.t()).abs() <= ref.t().abs() * 2 ** -7).all()
