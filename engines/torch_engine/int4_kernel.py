@@ -25,7 +25,6 @@ was 1.6-2.2x slower than tinygemm and than these tiles at one row, 2026-11-26.)"
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -105,7 +104,7 @@ if triton is not None:
         """Inputs start..start+BLOCK_K (whole chunks of TINY_K) of the columns `cols` of a
         weight in tinygemm's layout (tiny_pack), dequantized: float32 [BLOCK_N, BLOCK_K], its
         inputs in the order the words hold them (_tiny_order), not ascending: the caller's
-        activations come in the same order (tiny_order), and a product sums in any. Each word
+        activations come in the same order (order_index), and a product sums in any. Each word
         is read once, its column's 16 of a chunk side by side, and its 8 values taken from it
         in registers; the tile's scales and zeros are read once, pairs side by side."""
         r = tl.arange(0, BLOCK_K // 8)  # a column's words: (chunk, b, w), w fastest
@@ -165,7 +164,7 @@ if triton is not None:
                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                              BF16_DOT: tl.constexpr):
         """_int4_mm_kernel of a weight in tinygemm's layout (QW its words, SZ its [K/group, N,
-        2] scales and zeros); XP the activations with their inputs in tiny_order."""
+        2] scales and zeros); XP the activations with their inputs in order_index's order."""
         rows, cols, row_ok, col_ok, first, last = tile(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -308,9 +307,10 @@ def _(x, qweight, scales, zeros, group):
 
 @torch.library.custom_op("duet::int4_mm_tiny", mutates_args=())
 def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                 group: int) -> torch.Tensor:
+                 order: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] (bfloat16) times an int4 weight as tinygemm keeps it (packed [N/8, K/128, 32,
-    4] int32, scales_zeros [K/group, N, 2]) -> [M, N], for the rows tinygemm is slow at: its
+    4] int32, scales_zeros [K/group, N, 2]; order: order_index(K)) -> [M, N], for the rows
+    tinygemm is slow at: its
     time grows with the rows (an H100, 2026-11-27, the 8B gate/up product: 36 us at one row,
     136 at 16, 501 at 64, where this kernel took 72-95 and 94-131 over two machines; the same
     tiles on the kernels' own layout 58 and 91)."""
@@ -319,26 +319,28 @@ def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tens
         return x @ dequantize_tiny(packed, scales_zeros, group).to(x.dtype)
     p = plan(m, packed.shape[0] * 8, k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132, tiny=True)
-    return launch(x, packed, scales_zeros, scales_zeros, group, p, tiny=True)
-
-
-@functools.cache
-def _order_index(k: int, device: torch.device) -> torch.Tensor:
-    p = torch.arange(k, device=device)
-    r, j = (p % TINY_K) // 8, p % 8
-    return (p // TINY_K * TINY_K + (r % 4) * 32 + 2 * (r // 4) + 8 * (j % 4) + j // 4)
-
-
-def tiny_order(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] with its inputs in the order a tile of tinygemm's words holds them (the
-    kernel's _tiny_order), once for every program that reads them: the kernel then reads its
-    rows' inputs side by side."""
-    return x.index_select(1, _order_index(x.shape[1], x.device))
+    # The activations in the order a tile of the words holds its inputs (the kernel's
+    # _tiny_order), once for all the programs that read them: each then reads its rows' inputs
+    # side by side (read in that order inside the kernel, 1.4-4x slower past 16 rows).
+    return launch(x.index_select(1, order), packed, scales_zeros, scales_zeros, group, p,
+                  tiny=True)
 
 
 @int4_mm_tiny.register_fake
-def _(x, packed, scales_zeros, group):
+def _(x, packed, scales_zeros, order, group):
     return x.new_empty(x.shape[0], packed.shape[0] * 8)
+
+
+def order_index(k: int, device: torch.device | str) -> torch.Tensor:
+    """int4_mm_tiny's order of K inputs (_tiny_order's): position 32 b + 8 w + 4 h + i of a
+    chunk of TINY_K holds its input 32 w + 8 i + 2 b + h. Made with the layer, not on first
+    use: a tensor first made while a CUDA graph is captured holds its values only once that
+    graph has replayed."""
+    p = torch.arange(k, device=device)
+    r, j = (p % TINY_K) // 8, p % 8
+    return p // TINY_K * TINY_K + (r % 4) * 32 + 2 * (r // 4) + 8 * (j % 4) + j // 4
+
+
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -370,7 +372,8 @@ def dequantize_tiny(packed: torch.Tensor, scales_zeros: torch.Tensor,
 def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            group: int, p: Plan, tiny: bool = False) -> torch.Tensor:
     """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others);
-    tiny: int4_mm_tiny's (qweight tinygemm's words, scales and zeros its scales_zeros)."""
+    tiny: int4_mm_tiny's (qweight tinygemm's words, scales and zeros its scales_zeros, x's
+    inputs already in order_index's order)."""
     m, k = x.shape
     n = qweight.shape[0] * 8 if tiny else qweight.shape[1]
     # Each split's part apart, added in split order after (one small kernel, which also
@@ -379,7 +382,7 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     out, parts = outputs(m, n, p.split_k, x.dtype, x.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
     if tiny:
-        _int4_mm_tiny_kernel[grid](tiny_order(x), qweight, scales, parts, m, n, k,
+        _int4_mm_tiny_kernel[grid](x.contiguous(), qweight, scales, parts, m, n, k,
                                    GROUP=group, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
                                    BLOCK_K=p.block_k, SPLIT_K=p.split_k,
                                    BF16_DOT=x.device.type == "cuda", num_warps=p.warps,

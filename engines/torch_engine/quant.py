@@ -237,6 +237,10 @@ class Int4Linear(QuantLinear):
             else:
                 pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
                 packed = torch._convert_weight_to_int4pack(pairs, 8)
+                # int4_mm_tiny's order of the inputs, for the rows past tinygemm's
+                self.register_buffer("order", int4_kernel.order_index(self.in_features,
+                                                                      packed.device),
+                                     persistent=False)
             self.register_buffer("packed", packed)
         self.bias = linear.bias
 
@@ -249,7 +253,7 @@ class Int4Linear(QuantLinear):
         if self.kernel == "cuda":
             if x2.shape[0] > self.tinygemm_rows and int4_kernel.available():
                 y = torch.ops.duet.int4_mm_tiny(x2.to(torch.bfloat16), self.packed,
-                                                self.scales_zeros, self.group)
+                                                self.scales_zeros, self.order, self.group)
             else:
                 y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
                                               self.scales_zeros)

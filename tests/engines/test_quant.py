@@ -274,7 +274,7 @@ def test_int4_layer_on_cuda_takes_tinygemm_for_few_rows_and_duets_kernel_for_mor
     torch.nn.Module.__init__(layer)
     layer.in_features, layer.out_features, layer.kernel, layer.group = 128, 8, "cuda", 64
     layer.tinygemm_rows, layer.bias = quant.TINYGEMM_ROWS, None
-    layer.packed, layer.scales_zeros = torch.zeros(1), torch.zeros(1)
+    layer.packed, layer.scales_zeros, layer.order = torch.zeros(1), torch.zeros(1), None
     calls = []
     monkeypatch.setattr(torch, "_weight_int4pack_mm",
                         lambda x, *a: calls.append(("tinygemm", x.shape[0])) or x[:, :8])
