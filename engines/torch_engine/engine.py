@@ -149,6 +149,7 @@ class TorchEngine(GenerationEngine):
         loaded = time.perf_counter() - started
         # Eager, before the capture starts: alone, it takes a fraction of its time beside it
         # (5 s on an H100 host, where the two threads share the interpreter).
+        quant.compile_kernels(self.model)
         warmed = warm_up(self)
         if beside and decoder is not None:
             decoder.compile_kernels()

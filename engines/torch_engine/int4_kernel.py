@@ -158,7 +158,9 @@ if triton is not None:
         out = Out + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    @triton.jit
+    # Not specialized on M (Triton compiles anew for ints equal to 1, multiples of 16 and the
+    # rest): a prefill's rows come in every count, and each compile is ~0.5 s on a GPU host.
+    @triton.jit(do_not_specialize=["M"])
     def _int4_mm_tiny_kernel(XP, QW, SZ, Out, M, N, K, GROUP: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,

@@ -266,6 +266,29 @@ class Int4Linear(QuantLinear):
         return self._dequant_linear(x, dequantize_int4(self.q, self.scale, self.zero, self.group))
 
 
+def compile_kernels(model: nn.Module) -> int:
+    """Run each int4 layer shape on CUDA once through duet's kernel at the row counts past
+    tinygemm's that compile a kernel of its own (tiles of 16 rows, of 64, the weight
+    dequantized whole past int4_kernel.TINY_DEQUANT_ROWS), so that Triton compiles them now:
+    else the first request long enough to need one pays for it in the serving thread (the
+    dequantizing kernel's first call took 0.75 s on an H100, 2026-11-27; the decode graphs'
+    capture, beside the first requests, compiles only the tiles). Returns the shapes run."""
+    shapes = {}
+    for layer in model.modules():
+        if isinstance(layer, Int4Linear) and layer.kernel == "cuda":
+            shapes.setdefault((layer.out_features, layer.in_features, layer.group), layer)
+    if not int4_kernel.available():
+        return 0
+    with torch.inference_mode():
+        for layer in shapes.values():
+            for rows in (16, 64, int4_kernel.TINY_DEQUANT_ROWS + 1):
+                x = torch.zeros(rows, layer.in_features, dtype=torch.bfloat16,
+                                device=layer.packed.device)
+                torch.ops.duet.int4_mm_tiny(x, layer.packed, layer.scales_zeros, layer.order,
+                                            layer.group)
+    return len(shapes)
+
+
 class FP8Linear(QuantLinear):
     format = "fp8"
 

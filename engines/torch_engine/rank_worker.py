@@ -22,6 +22,7 @@ import torch
 from .. import crash_stacks, gc_pauses
 from ..device import memory_meter, torch_dtype
 from .engine import device_memory_bytes, make_decoder, prepare_weights
+from . import quant
 from .executor import prefill_attention
 from .loader import load_model
 from .paged import PagedKV, build_batch
@@ -55,6 +56,7 @@ class Rank:
         self.kv = PagedKV.for_model(self.model, shape.num_blocks, shape.block_size,
                                     torch_dtype(self.spec.dtype), self.device)
         use_peer_sums(self.model, self.device, shape.max_batch, shape.max_prefill_tokens)
+        quant.compile_kernels(self.model)  # no collectives: each rank its own shards'
         self.decoder = make_decoder(self.model, self.kv, self.device, self.spec.compile,
                                     shape.max_batch, head=False)
 

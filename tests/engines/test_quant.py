@@ -270,11 +270,7 @@ def test_int4_layer_on_cuda_takes_tinygemm_for_few_rows_and_duets_kernel_for_mor
     """Dispatch only (no GPU here): the layer's words are tinygemm's either way."""
     from engines.torch_engine import int4_kernel
 
-    layer = quant.Int4Linear.__new__(quant.Int4Linear)
-    torch.nn.Module.__init__(layer)
-    layer.in_features, layer.out_features, layer.kernel, layer.group = 128, 8, "cuda", 64
-    layer.tinygemm_rows, layer.bias = quant.TINYGEMM_ROWS, None
-    layer.packed, layer.scales_zeros, layer.order = torch.zeros(1), torch.zeros(1), None
+    layer = _int4_cuda_shell(8, 128)
     calls = []
     monkeypatch.setattr(torch, "_weight_int4pack_mm",
                         lambda x, *a: calls.append(("tinygemm", x.shape[0])) or x[:, :8])
@@ -288,6 +284,36 @@ def test_int4_layer_on_cuda_takes_tinygemm_for_few_rows_and_duets_kernel_for_mor
     monkeypatch.setattr(int4_kernel, "available", lambda: False)  # no Triton: tinygemm
     layer(torch.zeros(300, 128, dtype=torch.bfloat16))
     assert calls[-1] == ("tinygemm", 300)
+
+
+def _int4_cuda_shell(n: int, k: int) -> quant.Int4Linear:
+    """An int4 layer of the CUDA kernel without its weights (no GPU here): dispatch only."""
+    layer = quant.Int4Linear.__new__(quant.Int4Linear)
+    torch.nn.Module.__init__(layer)
+    layer.in_features, layer.out_features, layer.kernel, layer.group = k, n, "cuda", 64
+    layer.tinygemm_rows, layer.bias = quant.TINYGEMM_ROWS, None
+    layer.packed, layer.scales_zeros, layer.order = torch.zeros(1), torch.zeros(1), None
+    return layer
+
+
+def test_int4_kernels_are_compiled_at_load_once_a_shape(monkeypatch):
+    """Each int4 layer shape on CUDA runs duet's kernel once at each tiling and past the rows
+    that dequantize the weight whole (Triton compiles each on its first call); nothing without
+    Triton or CUDA layers."""
+    from engines.torch_engine import int4_kernel
+
+    model = torch.nn.Sequential(_int4_cuda_shell(8, 128), _int4_cuda_shell(8, 128),
+                                _int4_cuda_shell(16, 256), torch.nn.Linear(4, 4))
+    calls = []
+    monkeypatch.setattr(torch.ops.duet, "int4_mm_tiny",
+                        lambda x, packed, sz, order, group: calls.append(tuple(x.shape)))
+    monkeypatch.setattr(int4_kernel, "available", lambda: True)
+    assert quant.compile_kernels(model) == 2
+    big = int4_kernel.TINY_DEQUANT_ROWS + 1
+    assert calls == [(16, 128), (64, 128), (big, 128), (16, 256), (64, 256), (big, 256)]
+    assert quant.compile_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0
+    monkeypatch.setattr(int4_kernel, "available", lambda: False)
+    assert quant.compile_kernels(model) == 0
 
 
 def test_int4_layer_whose_inputs_do_not_split_into_groups_is_int8():
