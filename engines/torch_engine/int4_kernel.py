@@ -1,5 +1,5 @@
 """Group-wise int4 weights times bfloat16 activations in Triton kernels of duet's own, for
-CUDA. By default they take the products of more than 8 rows (a batched decode step, a
+CUDA. By default they take the products of more than 6 rows (a batched decode step, a
 prefill) of weights kept in tinygemm's layout, which tinygemm (torch._weight_int4pack_mm)
 multiplies fast only at a few rows (int4_mm_tiny; on an H100, 2026-11-26, these tiles on
 their own layout were 1.5-1.8x slower than tinygemm at one row and up to 5x faster at 64,
@@ -75,17 +75,6 @@ if triton is not None:
                 + _spread(zero, GROUP, BLOCK_K, BLOCK_N))
 
     @triton.jit
-    def _tiny_order(start, BLOCK_K: tl.constexpr):
-        """The inputs of tinygemm's words start..start+BLOCK_K (whole chunks of TINY_K) in the
-        order _tiny_tile gives them: word r = (chunk, b, w), w fastest, holds in its nibble
-        j = 4h + i input 128 chunk + 32 w + 8 i + 2 b + h."""
-        r = tl.arange(0, BLOCK_K // 8)
-        j = tl.arange(0, 8)
-        word = (r // 16) * _TINY_K + (r % 4) * 32 + 2 * ((r // 4) % 4)
-        ks = word[:, None] + (8 * (j % 4) + j // 4)[None, :]
-        return start + tl.reshape(ks, (BLOCK_K,))  # start: a whole chunk's
-
-    @triton.jit
     def _by_word(v, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         """A tile's groups' values [BLOCK_N, BLOCK_K / GROUP] -> each word's [BLOCK_N,
         BLOCK_K / 8] (word r = (chunk, b, w) lies in group (128 chunk + 32 w) / GROUP)."""
@@ -102,11 +91,11 @@ if triton is not None:
     def _tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP: tl.constexpr,
                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         """Inputs start..start+BLOCK_K (whole chunks of TINY_K) of the columns `cols` of a
-        weight in tinygemm's layout (tiny_pack), dequantized: float32 [BLOCK_N, BLOCK_K], its
-        inputs in the order the words hold them (_tiny_order), not ascending: the caller's
-        activations come in the same order (order_index), and a product sums in any. Each word
-        is read once, its column's 16 of a chunk side by side, and its 8 values taken from it
-        in registers; the tile's scales and zeros are read once, pairs side by side."""
+        weight in tinygemm's layout (tiny_pack), dequantized: float32 [BLOCK_N, BLOCK_K]. Each
+        word is read once, its column's 16 of a chunk side by side, and its 8 values taken
+        from it in registers; the tile's scales and zeros are read once, pairs side by side;
+        the values are then put in ascending order of their inputs in registers (on an H100
+        12-15% faster than gathering the activations into the words' order instead)."""
         r = tl.arange(0, BLOCK_K // 8)  # a column's words: (chunk, b, w), w fastest
         chunk = start // _TINY_K + r // 16
         b = (r // 4) % 4
@@ -115,7 +104,7 @@ if triton is not None:
         words = tl.load(QW + ((cols // 8)[:, None] * (K // _TINY_K) + chunk[None, :]) * 128
                         + (lane[:, None] + b[None, :]) * 4 + w[None, :],
                         mask=col_ok[:, None], other=0)
-        j = tl.arange(0, 8)
+        j = tl.arange(0, 8)  # nibble j = 4h + i
         q = (words[:, :, None] >> (4 * j)[None, None, :]) & 0xF
         g = start // GROUP + tl.arange(0, BLOCK_K // GROUP)
         pairs = tl.load(SZ + (g[None, :, None] * N + cols[:, None, None]) * 2
@@ -125,7 +114,9 @@ if triton is not None:
         zero = _by_word(zero, GROUP, BLOCK_K, BLOCK_N)
         centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # as _weight_tile
         weights = centred * scale[:, :, None] + zero[:, :, None]
-        return tl.reshape(weights, (BLOCK_N, BLOCK_K))
+        # (chunk, b, w, h, i) -> (chunk, w, i, b, h): input 32 w + 8 i + 2 b + h of a chunk
+        weights = tl.reshape(weights, (BLOCK_N, BLOCK_K // _TINY_K, 4, 4, 2, 4))
+        return tl.reshape(tl.permute(weights, (0, 1, 3, 5, 2, 4)), (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -161,18 +152,18 @@ if triton is not None:
     # Not specialized on M (Triton compiles anew for ints equal to 1, multiples of 16 and the
     # rest): a prefill's rows come in every count, and each compile is ~0.5 s on a GPU host.
     @triton.jit(do_not_specialize=["M"])
-    def _int4_mm_tiny_kernel(XP, QW, SZ, Out, M, N, K, GROUP: tl.constexpr,
+    def _int4_mm_tiny_kernel(X, QW, SZ, Out, M, N, K, GROUP: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                              BF16_DOT: tl.constexpr):
         """_int4_mm_kernel of a weight in tinygemm's layout (QW its words, SZ its [K/group, N,
-        2] scales and zeros); XP the activations with their inputs in order_index's order."""
+        2] scales and zeros)."""
         rows, cols, row_ok, col_ok, first, last = tile(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K)
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(first, last, BLOCK_K):
             w = tl.trans(_tiny_tile(QW, SZ, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N))
-            x = tl.load(XP + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
+            x = tl.load(X + rows[:, None] * K + (start + ks)[None, :], mask=row_ok[:, None],
                         other=0.0)
             if BF16_DOT:
                 acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
@@ -192,8 +183,8 @@ if triton is not None:
         start = tl.program_id(0) * BLOCK_K
         if TINY:
             wt = _tiny_tile(QW, Scales, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N)
-            order = _tiny_order(start, BLOCK_K)
-            tl.store(W + order[None, :] * N + cols[:, None], wt.to(W.dtype.element_ty),
+            ks = start + tl.arange(0, BLOCK_K)
+            tl.store(W + ks[None, :] * N + cols[:, None], wt.to(W.dtype.element_ty),
                      mask=col_ok[:, None])
         else:
             w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K,
@@ -309,40 +300,23 @@ def _(x, qweight, scales, zeros, group):
 
 @torch.library.custom_op("duet::int4_mm_tiny", mutates_args=())
 def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-                 order: torch.Tensor, group: int) -> torch.Tensor:
+                 group: int) -> torch.Tensor:
     """x [M, K] (bfloat16) times an int4 weight as tinygemm keeps it (packed [N/8, K/128, 32,
-    4] int32, scales_zeros [K/group, N, 2]; order: order_index(K)) -> [M, N], for the rows
-    tinygemm is slow at: its
+    4] int32, scales_zeros [K/group, N, 2]) -> [M, N], for the rows tinygemm is slow at: its
     time grows with the rows (an H100, 2026-11-27, the 8B gate/up product: 36 us at one row,
-    136 at 16, 501 at 64, where this kernel took 72-95 and 94-131 over two machines; the same
-    tiles on the kernels' own layout 58 and 91)."""
+    136 at 16, 501 at 64, where this kernel took 66 and 91, as the same tiles on the kernels'
+    own layout)."""
     m, k = x.shape
     if m > TINY_DEQUANT_ROWS:
         return x @ dequantize_tiny(packed, scales_zeros, group).to(x.dtype)
     p = plan(m, packed.shape[0] * 8, k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132, tiny=True)
-    # The activations in the order a tile of the words holds its inputs (the kernel's
-    # _tiny_order), once for all the programs that read them: each then reads its rows' inputs
-    # side by side (read in that order inside the kernel, 1.4-4x slower past 16 rows).
-    return launch(x.index_select(1, order), packed, scales_zeros, scales_zeros, group, p,
-                  tiny=True)
+    return launch(x, packed, scales_zeros, scales_zeros, group, p, tiny=True)
 
 
 @int4_mm_tiny.register_fake
-def _(x, packed, scales_zeros, order, group):
+def _(x, packed, scales_zeros, group):
     return x.new_empty(x.shape[0], packed.shape[0] * 8)
-
-
-def order_index(k: int, device: torch.device | str) -> torch.Tensor:
-    """int4_mm_tiny's order of K inputs (_tiny_order's): position 32 b + 8 w + 4 h + i of a
-    chunk of TINY_K holds its input 32 w + 8 i + 2 b + h. Made with the layer, not on first
-    use: a tensor first made while a CUDA graph is captured holds its values only once that
-    graph has replayed."""
-    p = torch.arange(k, device=device)
-    r, j = (p % TINY_K) // 8, p % 8
-    return p // TINY_K * TINY_K + (r % 4) * 32 + 2 * (r // 4) + 8 * (j % 4) + j // 4
-
-
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -374,8 +348,7 @@ def dequantize_tiny(packed: torch.Tensor, scales_zeros: torch.Tensor,
 def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            group: int, p: Plan, tiny: bool = False) -> torch.Tensor:
     """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others);
-    tiny: int4_mm_tiny's (qweight tinygemm's words, scales and zeros its scales_zeros, x's
-    inputs already in order_index's order)."""
+    tiny: int4_mm_tiny's (qweight tinygemm's words, scales and zeros its scales_zeros)."""
     m, k = x.shape
     n = qweight.shape[0] * 8 if tiny else qweight.shape[1]
     # Each split's part apart, added in split order after (one small kernel, which also

@@ -14,7 +14,7 @@ Which kernel a layer runs is decided once, per device, by `kernel()`:
   an AVX2 EPYC); their cost grows with the rows, so an int8 layer of more than 16 rows (prefill)
   dequantizes its weight to float32 for that call instead (on that EPYC, 512 rows: 8.8 ms
   against the kernel's 15.7 and float32's 6.7).
-- CUDA: int4 in tinygemm's layout, through tinygemm (bfloat16) up to 8 rows and duet's
+- CUDA: int4 in tinygemm's layout, through tinygemm (bfloat16) up to 6 rows and duet's
   kernel (int4_kernel.int4_mm_tiny) past them, where tinygemm's time grows with the rows; or
   duet's kernel alone, on its own layout, with DUET_INT4_KERNEL=triton; int8 and fp8 as
   `linear(x, w.to(dtype)) * scale` for the compiled decode
@@ -50,9 +50,9 @@ INT_MM_ROWS = 17
 FP8_MAX = 448.0
 # Rows up to which an int4 layer on CUDA runs tinygemm; more take duet's kernel on the same
 # words (int4_kernel.int4_mm_tiny). Measured on an H100 (probe_quant_layers.py, 2026-11-27),
-# an 8B layer's four products: tinygemm 96 us at 4 rows, 156 at 8, 195 at 12, 971 at 64; the
-# kernel 154 from 2 to 16 rows, 206 at 64: even at 8.
-TINYGEMM_ROWS = 8
+# an 8B layer's four products: tinygemm 96 us at 4 rows, 156 at 8, 971 at 64; the kernel
+# about 136 from 2 to 16 rows, 185 at 64: even near 6.
+TINYGEMM_ROWS = 6
 
 
 # --- the formats' arithmetic, device-independent (tests check the kernels against these) ---
@@ -237,10 +237,6 @@ class Int4Linear(QuantLinear):
             else:
                 pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
                 packed = torch._convert_weight_to_int4pack(pairs, 8)
-                # int4_mm_tiny's order of the inputs, for the rows past tinygemm's
-                self.register_buffer("order", int4_kernel.order_index(self.in_features,
-                                                                      packed.device),
-                                     persistent=False)
             self.register_buffer("packed", packed)
         self.bias = linear.bias
 
@@ -253,7 +249,7 @@ class Int4Linear(QuantLinear):
         if self.kernel == "cuda":
             if x2.shape[0] > self.tinygemm_rows and int4_kernel.available():
                 y = torch.ops.duet.int4_mm_tiny(x2.to(torch.bfloat16), self.packed,
-                                                self.scales_zeros, self.order, self.group)
+                                                self.scales_zeros, self.group)
             else:
                 y = torch._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group,
                                               self.scales_zeros)
@@ -284,8 +280,7 @@ def compile_kernels(model: nn.Module) -> int:
             for rows in (16, 64, int4_kernel.TINY_DEQUANT_ROWS + 1):
                 x = torch.zeros(rows, layer.in_features, dtype=torch.bfloat16,
                                 device=layer.packed.device)
-                torch.ops.duet.int4_mm_tiny(x, layer.packed, layer.scales_zeros, layer.order,
-                                            layer.group)
+                torch.ops.duet.int4_mm_tiny(x, layer.packed, layer.scales_zeros, layer.group)
     return len(shapes)
 
 

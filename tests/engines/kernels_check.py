@@ -163,8 +163,7 @@ def check_int4_tiny(device: str = "cpu") -> None:
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
             assert torch.equal(torch._convert_weight_to_int4pack(pairs, 8).cpu(), packed)
         sz = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device)
-        got = torch.ops.duet.int4_mm_tiny(x.to(device), packed.to(device), sz,
-                                          int4_kernel.order_index(k, device), group).cpu()
+        got = torch.ops.duet.int4_mm_tiny(x.to(device), packed.to(device), sz, group).cpu()
         _within_rounding(got, x, ref, (n, k, group, m))
         if m > int4_kernel.TINY_DEQUANT_ROWS:
             whole = int4_kernel.dequantize_tiny(packed.to(device), sz, group).cpu()

@@ -124,17 +124,17 @@ CUDA_KERNELS = {  # module, kernel[, variant]: signature as the ops launch it (b
         {"GROUP": 32, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
     ("int4_kernel", "_int4_mm_tiny_kernel", "split"): (
-        {"XP": PTR16, "QW": "*i32", "SZ": PTR16, "Out": "*fp32", "M": "i32", "N": "i32",
+        {"X": PTR16, "QW": "*i32", "SZ": PTR16, "Out": "*fp32", "M": "i32", "N": "i32",
          "K": "i32"},
         {"GROUP": 32, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
     ("int4_kernel", "_int4_mm_tiny_kernel", "64 rows"): (
-        {"XP": PTR16, "QW": "*i32", "SZ": PTR16, "Out": PTR16, "M": "i32", "N": "i32",
+        {"X": PTR16, "QW": "*i32", "SZ": PTR16, "Out": PTR16, "M": "i32", "N": "i32",
          "K": "i32"},
         {"GROUP": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),
     ("int4_kernel", "_int4_mm_tiny_kernel", "groups of 256"): (
-        {"XP": PTR16, "QW": "*i32", "SZ": PTR16, "Out": PTR16, "M": "i32", "N": "i32",
+        {"X": PTR16, "QW": "*i32", "SZ": PTR16, "Out": PTR16, "M": "i32", "N": "i32",
          "K": "i32"},
         {"GROUP": 256, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 1,
          "BF16_DOT": True}, {"num_warps": 4, "num_stages": 3}),

@@ -292,7 +292,7 @@ def _int4_cuda_shell(n: int, k: int) -> quant.Int4Linear:
     torch.nn.Module.__init__(layer)
     layer.in_features, layer.out_features, layer.kernel, layer.group = k, n, "cuda", 64
     layer.tinygemm_rows, layer.bias = quant.TINYGEMM_ROWS, None
-    layer.packed, layer.scales_zeros, layer.order = torch.zeros(1), torch.zeros(1), None
+    layer.packed, layer.scales_zeros = torch.zeros(1), torch.zeros(1)
     return layer
 
 
@@ -306,7 +306,7 @@ def test_int4_kernels_are_compiled_at_load_once_a_shape(monkeypatch):
                                 _int4_cuda_shell(16, 256), torch.nn.Linear(4, 4))
     calls = []
     monkeypatch.setattr(torch.ops.duet, "int4_mm_tiny",
-                        lambda x, packed, sz, order, group: calls.append(tuple(x.shape)))
+                        lambda x, packed, sz, group: calls.append(tuple(x.shape)))
     monkeypatch.setattr(int4_kernel, "available", lambda: True)
     assert quant.compile_kernels(model) == 2
     big = int4_kernel.TINY_DEQUANT_ROWS + 1
