@@ -211,8 +211,9 @@ class Int8Linear(QuantLinear):
 
 class Int4Linear(QuantLinear):
     format = "int4"
-    """The packed kernels run every call, prefill included: ATen keeps no unpacked copy to
-    dequantize from (on the CPU a 512-row product costs 2.5x float32's; decode is the gain)."""
+    """The packed kernels run every call, prefill included: no unpacked copy is kept to
+    multiply densely (on the CPU a 512-row product costs 2.5x float32's; decode is the gain; on
+    CUDA a product past int4_kernel.TINY_DEQUANT_ROWS dequantizes its weight for that call)."""
 
     def __init__(self, linear: nn.Linear, kernel_name: str, group: int):
         super().__init__()
