@@ -182,16 +182,14 @@ if triton is not None:
         col_ok = cols < N
         start = tl.program_id(0) * BLOCK_K
         if TINY:
-            wt = _tiny_tile(QW, Scales, start, cols, col_ok, N, K, GROUP, BLOCK_K, BLOCK_N)
-            ks = start + tl.arange(0, BLOCK_K)
-            tl.store(W + ks[None, :] * N + cols[:, None], wt.to(W.dtype.element_ty),
-                     mask=col_ok[:, None])
+            w = tl.trans(_tiny_tile(QW, Scales, start, cols, col_ok, N, K, GROUP, BLOCK_K,
+                                    BLOCK_N))
         else:
             w = _weight_tile(QW, Scales, Zeros, start, cols, col_ok, N, GROUP, BLOCK_K,
                              BLOCK_N)
-            ks = start + tl.arange(0, BLOCK_K)
-            tl.store(W + ks[:, None] * N + cols[None, :], w.to(W.dtype.element_ty),
-                     mask=col_ok[None, :])
+        ks = start + tl.arange(0, BLOCK_K)
+        tl.store(W + ks[:, None] * N + cols[None, :], w.to(W.dtype.element_ty),
+                 mask=col_ok[None, :])
 
     @triton.jit
     def _sum_splits_kernel(Parts, Out, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -311,7 +309,7 @@ def int4_mm_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tens
         return x @ dequantize_tiny(packed, scales_zeros, group).to(x.dtype)
     p = plan(m, packed.shape[0] * 8, k, group, cuda_multiprocessors(x.device.index)
              if x.device.type == "cuda" else 132, tiny=True)
-    return launch(x, packed, scales_zeros, scales_zeros, group, p, tiny=True)
+    return launch_tiny(x, packed, scales_zeros, group, p)
 
 
 @int4_mm_tiny.register_fake
@@ -346,27 +344,33 @@ def dequantize_tiny(packed: torch.Tensor, scales_zeros: torch.Tensor,
 
 
 def launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-           group: int, p: Plan, tiny: bool = False) -> torch.Tensor:
-    """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others);
-    tiny: int4_mm_tiny's (qweight tinygemm's words, scales and zeros its scales_zeros)."""
+           group: int, p: Plan) -> torch.Tensor:
+    """int4_mm with the tiles of p (scripts/probe_quant_layers.py --int4-plans tries others)."""
     m, k = x.shape
-    n = qweight.shape[0] * 8 if tiny else qweight.shape[1]
+    n = qweight.shape[1]
     # Each split's part apart, added in split order after (one small kernel, which also
     # rounds): a row's result is the same bits every time, as atomic adds in whatever order
     # the programs end would not give.
     out, parts = outputs(m, n, p.split_k, x.dtype, x.device)
     grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
-    if tiny:
-        _int4_mm_tiny_kernel[grid](x.contiguous(), qweight, scales, parts, m, n, k,
-                                   GROUP=group, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-                                   BLOCK_K=p.block_k, SPLIT_K=p.split_k,
-                                   BF16_DOT=x.device.type == "cuda", num_warps=p.warps,
-                                   num_stages=p.stages)
-        return add_splits(parts, out, p.split_k)
     _int4_mm_kernel[grid](x.contiguous(), qweight, scales, zeros, parts, m, n, k, GROUP=group,
                           BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
                           SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
                           num_warps=p.warps, num_stages=p.stages)
+    return add_splits(parts, out, p.split_k)
+
+
+def launch_tiny(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int,
+                p: Plan) -> torch.Tensor:
+    """int4_mm_tiny's product with the tiles of p, its splits added as launch()'s."""
+    m, k = x.shape
+    n = packed.shape[0] * 8
+    out, parts = outputs(m, n, p.split_k, x.dtype, x.device)
+    grid = (triton.cdiv(m, p.block_m), triton.cdiv(n, p.block_n), p.split_k)
+    _int4_mm_tiny_kernel[grid](x.contiguous(), packed, scales_zeros, parts, m, n, k, GROUP=group,
+                               BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+                               SPLIT_K=p.split_k, BF16_DOT=x.device.type == "cuda",
+                               num_warps=p.warps, num_stages=p.stages)
     return add_splits(parts, out, p.split_k)
 
 

@@ -270,12 +270,12 @@ def compile_kernels(model: nn.Module) -> int:
     else the first request long enough to need one pays for it in the serving thread (the
     dequantizing kernel's first call took 0.75 s on an H100, 2026-11-27; the decode graphs'
     capture, beside the first requests, compiles only the tiles). Returns the shapes run."""
+    if not int4_kernel.available():
+        return 0
     shapes = {}
     for layer in model.modules():
         if isinstance(layer, Int4Linear) and layer.kernel == "cuda":
             shapes.setdefault((layer.out_features, layer.in_features, layer.group), layer)
-    if not int4_kernel.available():
-        return 0
     with torch.inference_mode():
         for layer in shapes.values():
             for rows in (16, 64, int4_kernel.TINY_DEQUANT_ROWS + 1):

@@ -21,8 +21,8 @@ import torch
 
 from .. import crash_stacks, gc_pauses
 from ..device import memory_meter, torch_dtype
-from .engine import device_memory_bytes, make_decoder, prepare_weights
 from . import quant
+from .engine import device_memory_bytes, make_decoder, prepare_weights
 from .executor import prefill_attention
 from .loader import load_model
 from .paged import PagedKV, build_batch
