@@ -212,7 +212,9 @@ def profile_batch(args, engine, feature: str, params, b: int) -> None:
             runtime.step()
         if sync is not None:
             sync()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+    # On the CPU there is no device time: the ops' own host time is what a step spends.
+    key = "self_cuda_time_total" if sync is not None else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=20,
                                       max_name_column_width=60)
     print(table, flush=True)
     if args.trace and b == max(int(n) for n in args.batches.split(",")):
