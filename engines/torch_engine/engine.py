@@ -26,7 +26,7 @@ from ..quantization import resolve as resolve_quantization
 from ..runtime.plan import RankStatus
 from ..runtime.sizing import KVFacts, RuntimeOptions, RuntimeShape
 from ..tokenizer import build_beside
-from . import cpu_linear, quant, trace_guard
+from . import cpu_linear, cpu_norm, quant, trace_guard
 from .config import ModelArgs
 from .executor import TorchExecutor
 from .loader import load_model, read_config
@@ -281,8 +281,9 @@ def device_memory_bytes(device: str) -> int:
 
 
 def prepare_weights(model, quantization, device: str, compile: str, dtype: str) -> int:
-    """Quantize the loaded weights, or on the CPU hand the linear layers to oneDNN; returns the
-    weights' bytes (counted before oneDNN packs them: its packed weights are opaque)."""
+    """Quantize the loaded weights, or on the CPU hand the linear layers to oneDNN; on the CPU
+    the RMS norms become one kernel each (cpu_norm). Returns the weights' bytes (counted before
+    oneDNN packs them: its packed weights are opaque)."""
     if quantization is not None:
         counts = quant.quantize_model(model, quantization, device)
         if device.startswith("cuda"):
@@ -294,6 +295,8 @@ def prepare_weights(model, quantization, device: str, compile: str, dtype: str) 
                  ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     weights_bytes = sum(t.numel() * t.element_size()
                         for t in [*model.parameters(), *model.buffers()])
+    if device == "cpu":
+        log.info("cpu: %d RMS norms run as layer norms", cpu_norm.swap_norms(model))
     if quantization is None:
         if onednn_linears(device, compile, torch_dtype(dtype)):
             log.info("cpu: %d linear layers run through oneDNN", cpu_linear.pack_linears(model))

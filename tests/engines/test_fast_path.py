@@ -75,3 +75,39 @@ def test_random_model_runs_and_ties_embeddings():
     with torch.no_grad():
         out = model(torch.tensor([[1, 2, 3]]), 0)
     assert out.shape == (1, 3, 300) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64)])
+def test_layer_normed_rms_computes_what_rms_norm_computes(dtype, tol, shape):
+    from engines.torch_engine.cpu_norm import LayerNormedRMS
+    from engines.torch_engine.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(shape[-1]) + 0.5)
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    ours, theirs = LayerNormedRMS(norm)(x), norm(x)
+    assert ours.dtype == dtype and ours.shape == x.shape and ours.is_contiguous()
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol)
+
+
+def test_cpu_weights_prepared_with_every_norm_as_a_layer_norm():
+    from engines.torch_engine.cpu_norm import LayerNormedRMS
+    from engines.torch_engine.engine import prepare_weights
+    from engines.torch_engine.model import RMSNorm
+
+    cfg = dict(SHAPES["llama-3.2-1b"], hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               vocab_size=300)
+    model = random_model(ModelArgs.from_hf(cfg), torch.float32, "cpu")
+    model.setup_cache(16)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = model(tokens, 0)
+        prepare_weights(model, None, "cpu", "off", "float32")
+        after = model(tokens, 0)
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, LayerNormedRMS))]
+    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, LayerNormedRMS) for m in norms)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
