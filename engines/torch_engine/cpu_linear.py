@@ -80,20 +80,21 @@ class WidenedLinear(nn.Module):
 
 def widen_linears(model: nn.Module) -> int:
     """Swap every nn.Linear in model for a WidenedLinear; returns how many."""
-    return _swap(model, WidenedLinear)
+    return swap_modules(model, nn.Linear, WidenedLinear)
 
 
 def pack_linears(model: nn.Module) -> int:
     """Swap every nn.Linear in model for a PackedLinear; returns how many. A weight tied to the
     embedding (the LM head of small models) is copied, so the embedding keeps its own."""
-    return _swap(model, PackedLinear)
+    return swap_modules(model, nn.Linear, PackedLinear)
 
 
-def _swap(model: nn.Module, make) -> int:
+def swap_modules(model: nn.Module, kind: type[nn.Module], make) -> int:
+    """Every submodule of the given kind replaced by make(it); returns how many."""
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, kind):
                 setattr(module, name, make(child))
                 swapped += 1
     return swapped
