@@ -107,7 +107,12 @@ class Pacer:
     for its sums whatever its size: there, sized in proportion, pieces shrank to one token and
     a classification of six short prompts took 71 s). With a fixed cost a piece is sized to
     take `seconds`, or, where the fixed cost alone takes half of that or more, to spend as
-    long on tokens as on the fixed cost."""
+    long on tokens as on the fixed cost. Two sizes are made to be timed: where a piece of
+    one token would already take longer than `seconds` and no second size is known, the
+    next piece has twice the tokens of the last; and where the larger of two sizes took no
+    longer than the smaller, the cost does not grow with the tokens (as far as the clock can
+    tell) and the pieces double. Else one-token pieces of a split model never showed their
+    fixed cost: 70 s for one input's classification that takes 2 s whole."""
 
     def __init__(self, first: int | None = None, most: int | None = None,
                  seconds: float | None = None) -> None:
@@ -131,18 +136,25 @@ class Pacer:
             self.size = max(1, min(self.most, self._next_size(tokens, seconds)))
 
     def _next_size(self, tokens: int, seconds: float) -> int:
-        per_token, fixed = seconds / tokens, 0.0
-        if self._timed > 1:
-            if self._fewest is None or tokens <= self._fewest[0]:
-                self._fewest = (tokens, seconds)
-            if self._most is None or tokens >= self._most[0]:
-                self._most = (tokens, seconds)
-            (few, few_s), (many, many_s) = self._fewest, self._most
-            if many >= 2 * few:
-                slope = (many_s - few_s) / (many - few)
-                if 0 < slope < many_s / many:  # else noise: proportional
-                    per_token, fixed = slope, many_s - slope * many
-        return int(max(self.seconds - fixed, fixed) / per_token)
+        proportional = int(self.seconds * tokens / seconds)
+        if self._timed < 2:  # the first piece warms up: its time says little
+            return proportional
+        if self._fewest is None or tokens <= self._fewest[0]:
+            self._fewest = (tokens, seconds)
+        if self._most is None or tokens >= self._most[0]:
+            self._most = (tokens, seconds)
+        (few, few_s), (many, many_s) = self._fewest, self._most
+        if many < 2 * few:
+            # Not even one token fits in a piece's time: a fixed cost, likely; time twice the
+            # tokens to see it.
+            return proportional if proportional > 0 else 2 * tokens
+        slope = (many_s - few_s) / (many - few)
+        if slope <= 0:
+            return 2 * many
+        if slope >= many_s / many:  # no fixed cost to see: proportional
+            return proportional
+        fixed = many_s - slope * many
+        return int(max(self.seconds - fixed, fixed) / slope)
 
     def spans(self, n: int, weight: int = 1) -> Iterator[tuple[int, int]]:
         """[0, n) as consecutive (start, end) pieces, each as large as the pacer says when it

@@ -161,6 +161,27 @@ def test_the_pacer_grows_pieces_back_where_a_fixed_cost_dominates(monkeypatch):
     assert 279 <= pacer.size <= 280
 
 
+def test_the_pacer_finds_a_fixed_cost_that_one_token_pieces_hide(monkeypatch):
+    """A model split over ranks of a busy CPU: each forward 0.55-0.61 s whatever its size
+    (the clock's noise larger than a token's 0.4 ms). In proportion the pieces would stay at
+    one token for ever (70 s for one input's classification); timed at two sizes, then
+    doubled while the larger piece takes no longer, they grow to hundreds of tokens (a
+    piece's tokens then cost about what its fixed cost does)."""
+    monkeypatch.setattr(classify, "PIECE_SECONDS", 0.3)
+    monkeypatch.setattr(classify, "PIECE_TOKENS_FIRST", 4)
+    now = [0.0]
+    monkeypatch.setattr(classify.time, "perf_counter", lambda: now[0])
+    noise = iter([0.1, 0.06, 0.0] + [0.03, 0.0] * 10)  # the first: the warm-up's
+    pacer, sizes = classify.Pacer(), []
+    for _ in range(10):
+        tokens = pacer.size
+        with pacer.piece(tokens):
+            now[0] += 0.55 + next(noise) + 0.0004 * tokens
+        sizes.append(pacer.size)
+    assert sizes[:3] == [1, 2, 4]  # one token, then two, which took no longer: doubled
+    assert sizes == sorted(sizes) and sizes[-1] >= 500  # never back to one token
+
+
 @pytest.mark.parametrize("which", ["torch", "mlx"])
 def test_scoring_in_small_pieces_gives_the_same_scores(tiny_dirs, monkeypatch, which):
     """Prefill and continuation batches cut into pieces of 2 tokens (so that a stop is heard
