@@ -5,8 +5,9 @@ also as the bandwidth its weight's bytes were read at.
 
   python scripts/probe_quant_layers.py --rows 1,64
 
-With --fp8-plans, duet's fp8 kernel likewise in each tiling of FP8_PLANS (72). With
---int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
+With --tinygemm-layouts, tinygemm in each group size (32-256) and inner k tiling (2, 4, 8)
+of its weight layout. With --fp8-plans, duet's fp8 kernel likewise in each tiling of
+FP8_PLANS (72). With --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
 int4_kernel.plan() picks (the kernel's tuning, measured in one call).
 
   python scripts/probe_quant_layers.py --rows 1,16,64 --int4-plans
@@ -163,6 +164,30 @@ def fp8_plans(n: int, k: int, rows: int) -> dict[str, float]:
     return out
 
 
+# (group, inner k tiles) tried by --tinygemm-layouts: the groups tinygemm takes, and its
+# weight layout's three widths (duet packs 64 / 8).
+TINYGEMM_LAYOUTS = [(g, inner) for g in (32, 64, 128, 256) for inner in (2, 4, 8)]
+
+
+def tinygemm_layouts(n: int, k: int, rows: int) -> dict[str, float]:
+    """Microseconds of tinygemm on a random [N, K] weight in each of TINYGEMM_LAYOUTS."""
+    import torch
+
+    from engines.torch_engine import quant
+
+    w = torch.randn(n, k, device="cuda") * 0.02
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for group, inner in TINYGEMM_LAYOUTS:
+        q, scale, zero = quant.quantize_int4(w, group)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
+                                                   inner)
+        out[f"g{group}/i{inner}"] = round(microseconds(
+            lambda x, p=packed, g=group, sz=sz: torch._weight_int4pack_mm(x, p, g, sz), x), 1)
+    return out
+
+
 def report(kind: str, n: int, k: int, rows: int, plans: dict, weight: int) -> None:
     """The five fastest tilings of a sweep, with the bandwidth each read the weight at."""
     best = sorted((v, key) for key, v in plans.items() if isinstance(v, float))[:5]
@@ -206,6 +231,8 @@ def main() -> int:
                    help="duet's int4 kernel in each tiling of INT4_PLANS too")
     p.add_argument("--fp8-plans", action="store_true",
                    help="duet's fp8 kernel in each tiling of FP8_PLANS too")
+    p.add_argument("--tinygemm-layouts", action="store_true",
+                   help="tinygemm in each group size and inner k tiling of TINYGEMM_LAYOUTS too")
     p.add_argument("--formats", default=",".join(FORMATS),
                    help=f"these of {','.join(FORMATS)} (bf16 always)")
     p.add_argument("--as-served", action="store_true",
@@ -257,6 +284,9 @@ def main() -> int:
             if args.int4_plans:
                 row["int4_plans"] = int4_plans(n, k, rows)
                 report("int4", n, k, rows, row["int4_plans"], n * k // 2)
+            if args.tinygemm_layouts:
+                row["tinygemm_layouts"] = tinygemm_layouts(n, k, rows)
+                report("tinygemm", n, k, rows, row["tinygemm_layouts"], n * k // 2)
             if args.fp8_plans:
                 row["fp8_plans"] = fp8_plans(n, k, rows)
                 report("fp8", n, k, rows, row["fp8_plans"], n * k)
