@@ -48,12 +48,25 @@ def score_continuations(
 
     pacer = Pacer()
 
+    def fill(tokens: Sequence[int]) -> None:
+        # MLX computes only what is evaluated: the cache, not this forward's logits.
+        model(mx.array([list(tokens)]), cache=cache)
+        mx.eval([c.state for c in cache])
+
     def prefill(tokens: Sequence[int]) -> mx.array:
-        """Last position's logits, prefilled piece by piece so that a stop is heard soon."""
+        """Last position's logits, prefilled piece by piece so that a stop is heard soon. The
+        last token goes alone: a forward's logits are every position's, and slicing the last
+        row out still projects them all onto the vocabulary (as the torch engine's last_only
+        does not), most of a long prompt's work on MLX's CPU backend."""
         for a, b in pacer.spans(len(tokens)):
             check_stop(should_stop)
             with pacer.piece(b - a):
-                last = model(mx.array([list(tokens[a:b])]), cache=cache)[0, -1]
+                if b < len(tokens):
+                    fill(tokens[a:b])
+                    continue
+                if b - a > 1:
+                    fill(tokens[a:b - 1])
+                last = model(mx.array([[tokens[b - 1]]]), cache=cache)[0, -1]
                 mx.eval(last)
         return last
 

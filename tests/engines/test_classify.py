@@ -115,6 +115,37 @@ def _engines(tiny_dirs, which):
     return MLXEngine(path, context_length=256, dtype="float32")
 
 
+def test_mlx_scoring_projects_only_each_prompts_last_token(tiny_dirs):
+    """MLX computes what is evaluated: a forward's logits are every position's, and the last
+    row sliced out of them still projects every position onto the vocabulary (most of a long
+    prompt's scoring on MLX's CPU backend). Each prompt's prefill ends with its last token
+    alone, its pieces before that filling the cache; the scores stay those of one forward."""
+    engine = _engines(tiny_dirs, "mlx")
+    whole = engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
+    calls = []
+
+    class Spy:  # the model, its forwards recorded
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, inputs, cache=None):
+            calls.append((tuple(inputs.shape), cache))
+            return self.model(inputs, cache=cache)
+
+    engine.model = Spy(engine.model)
+    scored = engine.score_continuations(PROMPTS, CONTINUATIONS).token_logprobs
+    prompt_cache = calls[0][1]
+    ends = [shape for (shape, cache), (_, after) in zip(calls, calls[1:] + [(None, None)])
+            if cache is prompt_cache and after is not prompt_cache]
+    assert ends == [(1, 1)] * len(PROMPTS)  # each prompt's last forward before its labels
+    for a, b in zip(whole, scored):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 def small_pieces(monkeypatch):
     monkeypatch.setattr(classify, "PIECE_TOKENS_FIRST", 2)
     monkeypatch.setattr(classify, "PIECE_TOKENS_MAX", 2)
