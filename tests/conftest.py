@@ -25,7 +25,14 @@ def pytest_configure(config):
     if workers:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(share)
+        # MLX's CPU products in OpenBLAS (engines/mlx_blas.py): its pool is sized when it
+        # loads, from this.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(share))
+    from engines.mlx_blas import preload
+
+    preload()  # before any test module imports mlx.core
 
 
 # The longest files, longest first (seconds on this machine, 2026-11-23). scripts/test.sh hands

@@ -165,6 +165,9 @@ class MLXLMGenerate:
     name = "mlx-lm"
 
     def setup(self, model_dir: Path, dtype: str, context: int) -> None:
+        from ..mlx_blas import preload
+
+        preload()  # the BLAS duet's MLX engine has, before mlx.core loads
         import mlx.core as mx
         from mlx_lm.utils import load_model
 

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from ..base import EngineInfo
 from ..generation import GenerationEngine, MemoryMeter, warm_up
+from .. import mlx_blas
 from ..memory import kv_bytes_per_token
 from ..models.dummy import is_dummy
 from ..models.model_config import attention_window
@@ -82,6 +83,8 @@ class MLXEngine(GenerationEngine):
         if self.quantization is not None:
             quantize_weights(self.model, self.quantization)
             log.info("weights quantized to %s", self.quantization.describe())
+        if self.device == "cpu":
+            log.info("mlx engine: CPU products in %s", mlx_blas.described())
         mx.eval(self.model.parameters())
         # The logits' width (a padded embedding may be wider than the tokenizer): the batch's
         # per-row arrays are that wide.
