@@ -7,8 +7,9 @@ also as the bandwidth its weight's bytes were read at.
 
 With --tinygemm-layouts, tinygemm in each group size (32-256) and inner k tiling (2, 4, 8)
 of its weight layout. With --fp8-plans, duet's fp8 kernel likewise in each tiling of
-FP8_PLANS (72). With --int4-plans, duet's int4 kernel is also run in each tiling of INT4_PLANS (48) beside the one
-int4_kernel.plan() picks (the kernel's tuning, measured in one call).
+FP8_PLANS (72). With --int4-plans, duet's int4 kernel is also run in each tiling of
+INT4_PLANS (48) beside the one int4_kernel.plan() picks (the kernel's tuning, measured in one
+call).
 
   python scripts/probe_quant_layers.py --rows 1,16,64 --int4-plans
 
@@ -180,9 +181,7 @@ def tinygemm_layouts(n: int, k: int, rows: int) -> dict[str, float]:
     out = {}
     for group, inner in TINYGEMM_LAYOUTS:
         q, scale, zero = quant.quantize_int4(w, group)
-        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
-                                                   inner)
+        sz, packed = quant.scales_zeros(scale, zero), quant.tinygemm_pack(q, inner)
         out[f"g{group}/i{inner}"] = round(microseconds(
             lambda x, p=packed, g=group, sz=sz: torch._weight_int4pack_mm(x, p, g, sz), x), 1)
     return out

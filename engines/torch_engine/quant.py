@@ -81,6 +81,17 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return q.to(torch.uint8).reshape(n, k), scale, zero
 
 
+def scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """[K/g, N, 2]: the layout both of ATen's int4 kernels take, in bfloat16 (tinygemm's)."""
+    return torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def tinygemm_pack(q: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:
+    """q [N, K] in 0..15 as tinygemm's words (CUDA), from its byte pairs."""
+    return torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
+                                             inner_k_tiles)
+
+
 def dequantize_int4(q, scale, zero, group: int) -> torch.Tensor:
     n, k = q.shape
     g = q.float().reshape(n, k // group, group) - 8.0
@@ -230,14 +241,11 @@ class Int4Linear(QuantLinear):
             self.register_buffer("scales", scale.t().to(torch.bfloat16).contiguous())
             self.register_buffer("zeros", zero.t().to(torch.bfloat16).contiguous())
         else:
-            # [K/g, N, 2]: the layout both of ATen's int4 kernels take, in bfloat16 (tinygemm's).
-            sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-            self.register_buffer("scales_zeros", sz)
+            self.register_buffer("scales_zeros", scales_zeros(scale, zero))
             if kernel_name == "cpu":
                 packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             else:
-                pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-                packed = torch._convert_weight_to_int4pack(pairs, 8)
+                packed = tinygemm_pack(q)
             self.register_buffer("packed", packed)
         self.bias = linear.bias
 
