@@ -206,29 +206,53 @@ class GrammarState:
         return cut_to_vocab(bits[None], self.vocab_size, vocab)[0]
 
 
+def default_lineages() -> int:
+    """DUET_GRAMMAR_LINEAGES, else as many as llguidance's executor has threads (80% of the
+    CPUs, up to 32)."""
+    import os
+
+    asked = os.environ.get("DUET_GRAMMAR_LINEAGES")
+    if asked:
+        try:
+            return max(1, int(asked))
+        except ValueError:
+            log.warning("DUET_GRAMMAR_LINEAGES=%r is not a whole number: ignored", asked)
+    return max(1, min(32, (os.cpu_count() or 1) * 4 // 5))
+
+
 class PreparedGrammars:
     """Each grammar's prepared state (GrammarState.prepared: its matcher and first mask), made
     once and copied for every request that follows it; the `size` grammars used last are
-    kept. For one tokenizer (its vocabulary's)."""
+    kept. For one tokenizer (its vocabulary's).
 
-    def __init__(self, vocabulary, size: int = 64):
+    A grammar is prepared up to `lineages` times, independently, and its requests copy them in
+    turn: llguidance's copies of one matcher share its lexer's caches, and masks of rows
+    sharing them do not run in parallel. On an H200's 16-core host, 64 rows of one schema took
+    0.99 ms a step for their masks as copies of one matcher and 0.59 as matchers of their own
+    (a length-bounded string: 6.0 against 1.5 ms); one thread took 0.69 (4.4) either way
+    (bench-scratch's mask walk, docs/benchmarks.md)."""
+
+    def __init__(self, vocabulary, size: int = 64, lineages: int | None = None):
         self._vocabulary, self._size = vocabulary, size
-        self._kept: OrderedDict[tuple[str, frozenset[int]], GrammarState] = OrderedDict()
+        self._lineages = lineages or default_lineages()
+        # per grammar: its prepared states so far (up to lineages), and which one is next
+        self._kept: OrderedDict[tuple[str, frozenset[int]], tuple[list[GrammarState], int]] = \
+            OrderedDict()
         self._lock = threading.Lock()
 
     def state(self, grammar: str, eos_token_ids: frozenset[int]) -> GrammarState:
         key = (grammar, eos_token_ids)
         with self._lock:
-            template = self._kept.get(key)
-            if template is not None:
-                self._kept.move_to_end(key)
-        if template is None:
+            templates, turn = self._kept.pop(key, ([], 0))
+            self._kept[key] = (templates, turn + 1)  # the grammar used last goes last
+            while len(self._kept) > self._size:
+                self._kept.popitem(last=False)
+        if len(templates) < self._lineages:
             template = GrammarState.prepared(grammar, self._vocabulary, eos_token_ids)
             with self._lock:
-                self._kept[key] = template
-                if len(self._kept) > self._size:
-                    self._kept.popitem(last=False)
-        return template.copy()
+                templates.append(template)
+            return template.copy()
+        return templates[turn % len(templates)].copy()
 
 
 def cut_to_vocab(raw: np.ndarray, tokens: int, vocab: int) -> np.ndarray:

@@ -220,7 +220,7 @@ def test_kept_grammars_give_each_request_a_matcher_of_its_own(tiny_dirs, monkeyp
     prepared = GrammarState.prepared
     monkeypatch.setattr(GrammarState, "prepared",
                         classmethod(lambda cls, *a: made.append(a[0]) or prepared(*a)))
-    kept = PreparedGrammars(tok.grammar_vocabulary(), size=2)
+    kept = PreparedGrammars(tok.grammar_vocabulary(), size=2, lineages=1)
     fresh = GrammarState(grammar, tok.grammar_vocabulary(), frozenset({end}))
     brace = tok.encode("{")
     first = kept.state(grammar, frozenset({end}))
@@ -236,6 +236,36 @@ def test_kept_grammars_give_each_request_a_matcher_of_its_own(tiny_dirs, monkeyp
     kept.state(other, frozenset({end}))  # the third: the first made is dropped
     kept.state(grammar, frozenset({end}))
     assert made == [grammar, grammar, other, grammar]
+
+
+def test_a_grammars_requests_take_turns_over_matchers_prepared_apart(tiny_dirs, monkeypatch):
+    """With lineages=3 a grammar's first three requests each get a copy of a matcher prepared
+    on its own (copies of one share its lexer's caches, whose masks do not run in parallel),
+    the next ones copies of those in turn; every one masks as a fresh state does, alone and in
+    one MaskFiller call beside the others."""
+    from engines.grammar import GrammarState, MaskFiller, PreparedGrammars
+
+    tok = make_engine("torch", tiny_dirs["llama"][0]).tokenizer
+    grammar, ends = json_schema_grammar(SCHEMA), frozenset(tok.eos_token_ids)
+    made = []
+    prepared = GrammarState.prepared
+    monkeypatch.setattr(GrammarState, "prepared",
+                        classmethod(lambda cls, *a: made.append(prepared(*a)) or made[-1]))
+    kept = PreparedGrammars(tok.grammar_vocabulary(), lineages=3)
+    copied = []
+    copy = GrammarState.copy
+    monkeypatch.setattr(GrammarState, "copy",
+                        lambda self: copied.append(self) or copy(self))
+    states = [kept.state(grammar, ends) for _ in range(7)]
+    assert len(made) == 3
+    assert copied == [made[i % 3] for i in range(7)]
+    assert len({id(s.matcher) for s in states}) == 7  # each request's own matcher
+    brace = tok.encode("{")
+    fresh = GrammarState(grammar, tok.grammar_vocabulary(), ends).bitmask(brace, 300)
+    for state in states[:3]:
+        assert np.array_equal(state.bitmask(brace, 300), fresh)
+    together = MaskFiller().bitmasks([(s, brace) for s in states[3:]], 300)
+    assert all(np.array_equal(row, fresh) for row in together)
 
 
 def test_a_schema_is_made_into_its_grammar_once(monkeypatch):
