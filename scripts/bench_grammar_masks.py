@@ -9,7 +9,8 @@ N masks of a step walks the same tokens from cold caches:
     as the executor has threads (duet's PreparedGrammars), or over a matcher a row
   - K Python threads, each computing its share on an executor of one thread
 
-Prints the median and p90 of a step's masks per way, and whether every way gave the same masks;
+Each way also times taking in the step's tokens (one matcher after another, or llguidance's
+consume_token_par). Prints the median and p90 of a step's masks per way, and whether every way gave the same masks;
 writes JSON with --out.
 
   python scripts/bench_grammar_masks.py --feature grammar --rows 64
@@ -54,15 +55,21 @@ def default_tokenizer_dir() -> Path:
 
 
 def walk(grammar: str, tok: ChatTokenizer, rows: int, steps: int, compute,
-         lineages: int) -> tuple[list[float], int]:
-    """Each step's time in compute(todo, out), and a digest of every mask. The rows copy
+         lineages: int, parallel_intake: bool = False) -> tuple[list[float], list[float], int]:
+    """Each step's time in compute(todo, out), in taking in the step's tokens (one matcher
+    after another on this thread, or in one consume_token_par call), and a digest of every
+    mask. The rows copy
     `lineages` matchers prepared apart, in turn (engines/grammar.py's PreparedGrammars), each
     prepared afresh: caches as cold for every way."""
     vocab = tok.grammar_vocabulary()
     kept = PreparedGrammars(vocab, lineages=lineages)
     matchers = [kept.state(grammar, tok.eos_token_ids).matcher for _ in range(rows)]
     out = np.zeros((rows, mask_words(vocab.vocab_size)), dtype=np.int32)
-    rng, times, digest = random.Random(0), [], 0
+    rng, times, intake, digest = random.Random(0), [], [], 0
+    if parallel_intake:
+        from llguidance import LLExecutor
+
+        consumer = LLExecutor()
     for _ in range(steps):
         todo = [(m, i) for i, m in enumerate(matchers)]
         start = time.perf_counter()
@@ -70,9 +77,15 @@ def walk(grammar: str, tok: ChatTokenizer, rows: int, steps: int, compute,
         times.append(time.perf_counter() - start)
         digest = hash((digest, out.tobytes()))
         bits = np.unpackbits(out.view(np.uint8), axis=1, bitorder="little")[:, :vocab.vocab_size]
-        for i, m in enumerate(matchers):
-            m.consume_token(int(rng.choice(np.flatnonzero(bits[i]))))
-    return times, digest
+        picked = [int(rng.choice(np.flatnonzero(bits[i]))) for i in range(rows)]
+        start = time.perf_counter()
+        if parallel_intake:
+            consumer.consume_token_par(list(zip(matchers, picked)))
+        else:
+            for m, token in zip(matchers, picked):
+                m.consume_token(token)
+        intake.append(time.perf_counter() - start)
+    return times, intake, digest
 
 
 def executor(threads: int | None):
@@ -116,18 +129,26 @@ def main() -> int:
             (f"executor, default threads; {k} matcher{'s' * (k > 1)} apart (duet)",
              executor(None), k),
             ("executor, default threads; a matcher a row", executor(None), args.rows),
-            ("executor, 1 thread; a matcher a row", executor(1), args.rows)]
+            ("executor, 1 thread; a matcher a row", executor(1), args.rows),
+            ("executor, default threads; one matcher; tokens taken in in parallel",
+             executor(None), 1, True),
+            (f"executor, default threads; {k} apart; tokens taken in in parallel",
+             executor(None), k, True)]
     print(f"{args.feature}: {args.rows} rows, {args.steps} steps, {os.cpu_count()} CPUs; "
           "a step's masks, ms")
-    print("| way | median | p90 |")
-    print("|---|---|---|")
+    print("| way | masks, median | p90 | taking in the tokens, median |")
+    print("|---|---|---|---|")
     rows, digests = [], set()
-    for name, compute, lineages in ways:
-        times, digest = walk(grammar, tok, args.rows, args.steps, compute, lineages)
+    for name, compute, lineages, *par in ways:
+        times, intake, digest = walk(grammar, tok, args.rows, args.steps, compute, lineages,
+                                     *par)
         digests.add(digest)
         median, p90 = statistics.median(times), sorted(times)[int(0.9 * len(times))]
-        rows.append({"way": name, "median_ms": 1e3 * median, "p90_ms": 1e3 * p90})
-        print(f"| {name} | {1e3 * median:.3f} | {1e3 * p90:.3f} |", flush=True)
+        took = statistics.median(intake)
+        rows.append({"way": name, "median_ms": 1e3 * median, "p90_ms": 1e3 * p90,
+                     "intake_median_ms": 1e3 * took})
+        print(f"| {name} | {1e3 * median:.3f} | {1e3 * p90:.3f} | {1e3 * took:.3f} |",
+              flush=True)
     same = len(digests) == 1
     print(f"every way gave the same masks: {same}")
     if args.out:
