@@ -230,7 +230,9 @@ class PreparedGrammars:
     sharing them do not run in parallel. On an H200's 16-core host, 64 rows of one schema took
     0.99 ms a step for their masks as copies of one matcher and 0.59 as matchers of their own
     (a length-bounded string: 6.0 against 1.5 ms); one thread took 0.69 (4.4) either way
-    (bench-scratch's mask walk, docs/benchmarks.md)."""
+    (scripts/bench_grammar_masks.py, docs/benchmarks.md). A grammar's first `lineages`
+    requests each prepare one, on the preparing thread (about 1 ms each for bench_features'
+    schemas on a 2-core EPYC: a burst of a new grammar's requests joins a few ms later)."""
 
     def __init__(self, vocabulary, size: int = 64, lineages: int | None = None):
         self._vocabulary, self._size = vocabulary, size
