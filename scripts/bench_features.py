@@ -18,7 +18,9 @@ of about --prompt-tokens tokens. Features:
              slow case, a mask inside such a string costs about 30 times as much
 
 Prints a table of median aggregate tok/s per feature and level, and each one's ratio to plain
-decoding at the same level; writes JSON under docs/bench/.
+decoding at the same level; writes JSON under docs/bench/. For a server it started, each level
+also records the CPU its HTTP process and its engine process used, in cores (a process near 1.0
+is what a level waits on).
 
 A grammar needs a real vocabulary, which the dummy models' word-level tokenizers lack:
 --dummy-shape SHAPE serves random weights of that shape (engines/models/dummy.py) with the default
@@ -108,6 +110,44 @@ def dummy_with_real_tokenizer(shape: str, work_dir: Path) -> tuple[str, Path]:
     return model_id, registry
 
 
+class ProcessShares:
+    """The CPU the server's processes used over a level, in cores: its own (the HTTP side's)
+    and its engine process's (the largest child that multiprocessing spawned, where there is
+    one). Only for a server this script started (its pid known)."""
+
+    def __init__(self, pid: int | None):
+        import psutil
+
+        self._server = psutil.Process(pid) if pid is not None else None
+
+    def _times(self) -> tuple[float, float | None]:
+        import psutil
+
+        def cpu(p) -> float:
+            t = p.cpu_times()
+            return t.user + t.system
+
+        try:
+            kids = [c for c in self._server.children() if "spawn_main" in " ".join(c.cmdline())]
+            engine = max(kids, key=lambda c: c.memory_info().rss) if kids else None
+            return cpu(self._server), (cpu(engine) if engine is not None else None)
+        except psutil.Error:  # a child that ended meanwhile
+            return cpu(self._server), None
+
+    def measure(self, run) -> dict:
+        """run()'s result with http_cpu_share and engine_cpu_share added."""
+        if self._server is None:
+            return run()
+        import time
+
+        (http0, engine0), start = self._times(), time.perf_counter()
+        result = run()
+        (http1, engine1), wall = self._times(), time.perf_counter() - start
+        return {**result, "http_cpu_share": (http1 - http0) / wall,
+                "engine_cpu_share": (None if engine0 is None or engine1 is None
+                                     else (engine1 - engine0) / wall)}
+
+
 def chat_prompts(url: str, model: str, n: int, tokens: int) -> list[list[dict]]:
     """n distinct user messages of about `tokens` tokens: random ids, detokenized by the
     server, so they are text this model's tokenizer reads back to about as many tokens."""
@@ -161,6 +201,7 @@ def main() -> int:
         import httpx
 
         info = httpx.get(url + "/health").json()
+        shares = ProcessShares(proc.pid if proc is not None else None)
         rows = []
         for n in levels:
             prompts = chat_prompts(url, args.model, n, args.prompt_tokens)
@@ -170,9 +211,9 @@ def main() -> int:
                           args.engine, args.client_procs, FEATURES[f], prompts)
             for _ in range(args.repeats):
                 for f in features:
-                    runs[f].append(run_level(url, args.model, n, args.prompt_tokens,
-                                             args.max_tokens, args.engine, args.client_procs,
-                                             FEATURES[f], prompts, args.rounds))
+                    runs[f].append(shares.measure(lambda: run_level(
+                        url, args.model, n, args.prompt_tokens, args.max_tokens, args.engine,
+                        args.client_procs, FEATURES[f], prompts, args.rounds)))
             for f in features:
                 tok_s = sorted(r["aggregate_tok_s"] for r in runs[f])
                 rows.append({
@@ -185,16 +226,20 @@ def main() -> int:
                         r["per_client_decode_tok_s_p50"] or 0 for r in runs[f]),
                     "ttft_ms_p50": statistics.median(r["ttft_ms_p50"] for r in runs[f]),
                     # Where a slow level's time went: the server's own first-token time, the
-                    # engine's step at the peak batch, the load generator's CPU share.
-                    **{key: _median(r[key] for r in runs[f])
+                    # engine's step at the peak batch, the load generator's CPU share, the
+                    # server's processes' (cores).
+                    **{key: _median(r.get(key) for r in runs[f])
                        for key in ("server_ttft_ms_p50", "engine_step_ms_at_peak_batch",
-                                   "client_cpu_share")},
+                                   "client_cpu_share", "http_cpu_share", "engine_cpu_share")},
                     "peak_batch": max(r["peak_batch"] for r in runs[f]),
                 })
                 r = rows[-1]
+                cores = "".join(f"  {name} {r[key]:.2f} cores" for name, key in
+                                (("HTTP", "http_cpu_share"), ("engine", "engine_cpu_share"))
+                                if r[key] is not None)
                 print(f"{n:4} clients  {f:16} {r['aggregate_tok_s']:9.1f} tok/s  ITL p50 "
                       f"{r['itl_ms_p50']:7.2f} ms  decode {r['decode_tok_s_p50']:7.1f} tok/s a "
-                      f"stream  batch {r['peak_batch']}", flush=True)
+                      f"stream  batch {r['peak_batch']}{cores}", flush=True)
     finally:
         if proc is not None:
             proc.terminate()
