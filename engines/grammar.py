@@ -228,8 +228,8 @@ class PreparedGrammars:
     A grammar is prepared up to `lineages` times, independently, and its requests copy them in
     turn: llguidance's copies of one matcher share its lexer's caches, and masks of rows
     sharing them do not run in parallel. On an H200's 16-core host, 64 rows of one schema took
-    0.99 ms a step for their masks as copies of one matcher and 0.59 as matchers of their own
-    (a length-bounded string: 6.0 against 1.5 ms); one thread took 0.69 (4.4) either way
+    0.86 ms a step for their masks as copies of one matcher and 0.33 over 12 matchers prepared
+    apart (a length-bounded string: 4.2 against 1.4 ms); one thread took 0.44 (3.1)
     (scripts/bench_grammar_masks.py, docs/benchmarks.md). A grammar's first `lineages`
     requests each prepare one, on the preparing thread (about 1 ms each for bench_features'
     schemas on a 2-core EPYC: a burst of a new grammar's requests joins a few ms later)."""
