@@ -111,31 +111,30 @@ def dummy_with_real_tokenizer(shape: str, work_dir: Path) -> tuple[str, Path]:
 
 
 class ProcessShares:
-    """The CPU the server's processes used over a level, in cores: its own (the HTTP side's)
-    and its engine process's (the largest child that multiprocessing spawned, where there is
-    one). Only for a server this script started (its pid known)."""
+    """The CPU the server's processes used over a level: its own (the HTTP side's) and its
+    engine process's (the largest child that multiprocessing spawned, where there is one), in
+    seconds and in cores. Only for a server whose pid is known (one this script started)."""
 
     def __init__(self, pid: int | None):
         import psutil
 
         self._server = psutil.Process(pid) if pid is not None else None
 
-    def _times(self) -> tuple[float, float | None]:
+    def _times(self):
+        """The server's cpu_times() and its engine process's (None without one)."""
         import psutil
-
-        def cpu(p) -> float:
-            t = p.cpu_times()
-            return t.user + t.system
 
         try:
             kids = [c for c in self._server.children() if "spawn_main" in " ".join(c.cmdline())]
             engine = max(kids, key=lambda c: c.memory_info().rss) if kids else None
-            return cpu(self._server), (cpu(engine) if engine is not None else None)
+            return self._server.cpu_times(), (engine.cpu_times() if engine else None)
         except psutil.Error:  # a child that ended meanwhile
-            return cpu(self._server), None
+            return self._server.cpu_times(), None
 
     def measure(self, run) -> dict:
-        """run()'s result with http_cpu_share and engine_cpu_share added."""
+        """run()'s result with, over its run, http_cpu_s (of which http_kernel_s in the
+        kernel), engine_cpu_s, and the same per second of wall time: http_cpu_share and
+        engine_cpu_share."""
         if self._server is None:
             return run()
         import time
@@ -143,9 +142,12 @@ class ProcessShares:
         (http0, engine0), start = self._times(), time.perf_counter()
         result = run()
         (http1, engine1), wall = self._times(), time.perf_counter() - start
-        return {**result, "http_cpu_share": (http1 - http0) / wall,
-                "engine_cpu_share": (None if engine0 is None or engine1 is None
-                                     else (engine1 - engine0) / wall)}
+        http = http1.user + http1.system - http0.user - http0.system
+        engine = (None if engine0 is None or engine1 is None
+                  else engine1.user + engine1.system - engine0.user - engine0.system)
+        return {**result, "http_cpu_s": http, "http_kernel_s": http1.system - http0.system,
+                "engine_cpu_s": engine, "http_cpu_share": http / wall,
+                "engine_cpu_share": None if engine is None else engine / wall}
 
 
 def chat_prompts(url: str, model: str, n: int, tokens: int) -> list[list[dict]]:

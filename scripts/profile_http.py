@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_features import ProcessShares
+
 from engines.bench import load
 from engines.fake import FakeEngine
 from engines.memory import Estimate
@@ -82,26 +84,6 @@ def serve(port: int, models_file: str, step_s: float, max_batch: int) -> None:
     build_server(app, settings, port=port).run()
 
 
-def cpu_s(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
-def sys_s(pid: int) -> float:
-    import psutil
-
-    return psutil.Process(pid).cpu_times().system
-
-
-def engine_pid(pid: int) -> int | None:
-    import psutil
-
-    kids = psutil.Process(pid).children()
-    return kids[0].pid if kids else None
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=16)
@@ -140,7 +122,7 @@ def main() -> int:
                    for i in range(args.clients)]
         # the engine loads on the first request
         load.run_level(url, "scripted", 2, 8, 8, None, 1, None, prompts[:2])
-        child = engine_pid(server.pid)
+        shares = ProcessShares(server.pid)
         rows = []
         try:
             for repeat in range(args.repeats):
@@ -153,23 +135,19 @@ def main() -> int:
                              "--rate", "500", "--gil", "--nonblocking", "-o", args.py_spy],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                         time.sleep(1.0)
-                    before, before_child = cpu_s(server.pid), cpu_s(child) if child else 0.0
-                    before_sys = sys_s(server.pid)
-                    r = load.run_level(url, "scripted", args.clients, 8, args.max_tokens, None,
-                                       args.client_procs, FEATURES[f], prompts,
-                                       rounds=args.rounds)
-                    http_cpu = cpu_s(server.pid) - before
-                    http_sys = sys_s(server.pid) - before_sys
-                    engine_cpu = (cpu_s(child) - before_child) if child else float("nan")
+                    r = shares.measure(lambda: load.run_level(
+                        url, "scripted", args.clients, 8, args.max_tokens, None,
+                        args.client_procs, FEATURES[f], prompts, rounds=args.rounds))
                     if spy is not None:
                         spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
                         spy.wait(60)
                     tokens = args.clients * args.rounds * args.max_tokens
                     row = {"feature": f, "repeat": repeat,
                            "aggregate_tok_s": r["aggregate_tok_s"],
-                           "http_us_per_token": 1e6 * http_cpu / tokens,
-                           "http_sys_us_per_token": 1e6 * http_sys / tokens,
-                           "engine_us_per_token": 1e6 * engine_cpu / tokens,
+                           "http_us_per_token": 1e6 * r["http_cpu_s"] / tokens,
+                           "http_sys_us_per_token": 1e6 * r["http_kernel_s"] / tokens,
+                           "engine_us_per_token": 1e6 * (r["engine_cpu_s"] or float("nan"))
+                           / tokens,
                            "itl_ms_p50": r["itl_ms_p50"]}
                     rows.append(row)
                     print(f"{f:10} {row['aggregate_tok_s']:9.0f} tok/s  HTTP process "

@@ -46,7 +46,7 @@ if [ "$mode" = test ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 
   if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
     debs+=(chromium chromium-driver)
   fi
-  if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0 ' &&
+  if [ "$os" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0 ' &&
      ! compgen -G '/usr/lib/*/libopenblas.so.0' >/dev/null; then
     debs+=(libopenblas0-pthread)
   fi
